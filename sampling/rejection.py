@@ -1,0 +1,61 @@
+"""The modified rejection step of speculative sampling (Chen et al. 2023, Algorithm 2). Pure tensor math.
+
+Notation (the paper's, kept everywhere in draftsmith): p = draft distribution, q = target distribution.
+A draft token x ~ p is accepted with probability min(1, q(x) / p(x)); at the first rejection the next
+token is drawn from norm((q - p)+); if all K are accepted, a bonus token is drawn from q at position K.
+Shapes: B rows, K draft tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """min(1, q(x)/p(x)) for drafted tokens x; p_x > 0 because x was sampled from p."""
+    return torch.clamp(q_x / p_x, max=1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm((q - p)+) over the last axis. Where q <= p everywhere (q == p up to rounding) rejection
+    has probability ~0, and q itself is the right fallback."""
+    r = torch.clamp(q - p, min=0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), q)
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p(x), q(x)) = 1 - TV(p, q): the probability that a token drawn from p is accepted."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification of K drafted tokens per row.
+
+    Args:
+        p: (B, K, V) draft distributions the draft tokens were sampled from.
+        q: (B, K+1, V) target distributions at the same positions plus the bonus position.
+        draft_tokens: (B, K) the drafted tokens.
+
+    Returns:
+        n_accepted: (B,) number of leading draft tokens accepted, in [0, K].
+        next_token: (B,) the token emitted after them: drawn from norm((q - p)+) at the first rejected
+            position, or from q at position K (the bonus token) when all K were accepted.
+    """
+    B, K, V = p.shape
+    p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
+    u = torch.rand(B, K, generator=generator, dtype=p.dtype, device=p.device)
+    accepted = u * p_x < q_x  # u < q/p without dividing; accepts with probability min(1, q/p)
+    n_accepted = accepted.to(torch.long).cumprod(-1).sum(-1)  # (B,) length of the leading run
+    # A zero row at position K makes the bonus token the same formula: residual(0, q_K) = q_K.
+    p_pad = torch.cat([p, p.new_zeros(B, 1, V)], dim=1)  # (B, K+1, V)
+    rows = torch.arange(B, device=p.device)
+    next_dist = residual(p_pad[rows, n_accepted], q[rows, n_accepted])  # (B, V)
+    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(-1)
+    return n_accepted, next_token

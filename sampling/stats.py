@@ -1,0 +1,78 @@
+"""Statistics of one generation call, named as in DESIGN.md section 2."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters of a generate call; the derived rates are properties so they can never disagree.
+
+    alpha counts a draft token as proposed when it reaches the acceptance test (tokens after a
+    rejection in the same loop are discarded untested). That makes alpha the estimate of the per-token
+    acceptance probability that the speed-up model (1 - alpha^(K+1)) / ((1 - alpha)(K c + v(K))) uses.
+    """
+
+    k: int = 0
+    rows: int = 0
+    new_tokens: int = 0  # tokens emitted over all rows
+    target_calls: int = 0  # target forward passes after the prompt, summed over loops (one per loop)
+    draft_calls: int = 0  # draft forward passes after the prompt
+    drafted: int = 0  # draft tokens that reached the acceptance test (summed over rows)
+    accepted: int = 0
+    alpha_analytic_sum: float = 0.0  # sum over tested positions of sum_x min(p, q)
+    row_loops: int = 0  # loops summed over rows (each row's target pass counts once)
+    accepted_at: list[int] = field(default_factory=list)  # per draft position i: accepted there
+    tested_at: list[int] = field(default_factory=list)  # per draft position i: reached the test there
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def record_position(self, i: int, tested: int, accepted: int) -> None:
+        while len(self.tested_at) <= i:
+            self.tested_at.append(0)
+            self.accepted_at.append(0)
+        self.tested_at[i] += tested
+        self.accepted_at[i] += accepted
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def alpha_analytic(self) -> float | None:
+        return self.alpha_analytic_sum / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_call(self) -> float | None:
+        """Tokens emitted per target pass per row, bonus token included; in [1, K+1]."""
+        return self.new_tokens / self.row_loops if self.row_loops else None
+
+    @property
+    def acceptance_efficiency(self) -> float | None:
+        """Mean tokens emitted per loop / (K+1), the middle panel of the paper's Figure 1."""
+        tpc = self.tokens_per_call
+        return tpc / (self.k + 1) if tpc is not None and self.k else None
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        return [a / t if t else None for a, t in zip(self.accepted_at, self.tested_at)]
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.draft_s - self.target_s - self.prefill_s)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        """Wall time per emitted token of one row (decode only, prefill excluded)."""
+        per_row = self.new_tokens / max(self.rows, 1)
+        return 1e3 * (self.total_s - self.prefill_s) / per_row if per_row else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("alpha", "alpha_analytic", "tokens_per_call", "acceptance_efficiency",
+                     "acceptance_by_position", "overhead_s", "ms_per_token"):
+            d[name] = getattr(self, name)
+        return d

