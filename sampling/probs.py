@@ -56,19 +56,28 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (the most likely is always kept)."""
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the most likely is always kept;
+    tokens tied with the least likely kept one are kept too, so the result never depends on sort order)."""
     V = probs.shape[-1]
     m = min(V, _TOP_P_CANDIDATES)
-    vals, idx = probs.topk(m, dim=-1)  # sorted descending
+    vals = probs.topk(m, dim=-1).values  # sorted descending
     if m < V and bool((vals.sum(-1) < top_p).any()):
-        vals, idx = probs.sort(dim=-1, descending=True)
+        vals = probs.sort(dim=-1, descending=True).values
     before = vals.cumsum(-1) - vals  # mass of the strictly more likely tokens
-    keep_sorted = before < top_p
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, idx, keep_sorted)
-    kept = probs.masked_fill(~keep, 0.0)
+    n_keep = (before < top_p).sum(-1, keepdim=True)  # >= 1
+    threshold = vals.gather(-1, n_keep - 1)
+    kept = probs * (probs >= threshold)
     return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) token ids."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """(B, V) probabilities -> (B,) token ids, by inverse CDF: one uniform per row.
+
+    torch.multinomial costs ~1 ms on a 49k vocabulary on our CPU, a cumsum + searchsorted ~0.06 ms.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    # float rounding can land past the last positive entry (probability ~2^-24): never emit a zero-prob token
+    picked = probs.gather(-1, idx[:, None]).squeeze(-1)
+    return torch.where(picked > 0, idx, probs.argmax(-1))

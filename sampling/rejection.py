@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from sampling.probs import sample
+
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """min(1, q(x)/p(x)) for drafted tokens x; p_x > 0 because x was sampled from p."""
@@ -57,5 +59,5 @@ def verify(
     p_pad = torch.cat([p, p.new_zeros(B, 1, V)], dim=1)  # (B, K+1, V)
     rows = torch.arange(B, device=p.device)
     next_dist = residual(p_pad[rows, n_accepted], q[rows, n_accepted])  # (B, V)
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(-1)
+    next_token = sample(next_dist, generator)
     return n_accepted, next_token

@@ -1,0 +1,90 @@
+"""Generate with speculative sampling and print the text and its statistics.
+
+    python -m sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8 --top-p 0.95
+    python -m sampling.generate --target smollm2-135m --prompt "Hello"          # no draft: plain autoregressive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from sampling.models import DTYPES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
+from sampling.probs import SamplingConfig
+from sampling.speculative import autoregressive_generate, speculative_generate
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sampling.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m", help="alias, hub id, checkpoint dir or .gguf (default: %(default)s)")
+    ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    ap.add_argument("-k", type=int, default=4, help="draft tokens per loop (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before loading anything
+        if args.k < 1:
+            raise ValueError(f"-k must be >= 1, got {args.k}")
+        if not args.prompt:
+            raise ValueError("the prompt is empty: pass --prompt TEXT")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        tok = load_tokenizer(args.target)
+        target = load_model(args.target, args.dtype)
+        draft = None
+        if args.draft:
+            check_same_tokenizer(tok, load_tokenizer(args.draft))
+            draft = load_model(args.draft, args.dtype)
+        text = args.prompt
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt").input_ids
+        common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, eos_token_id=tok.eos_token_id,
+                      generator=torch.Generator().manual_seed(args.seed))
+        if draft is None:
+            gen = autoregressive_generate(target, ids, **common)
+        else:
+            gen = speculative_generate(target, draft, ids, k=args.k, **common)
+    except (ValueError, ModelNotFound) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    completion = tok.decode(gen.tokens[0], skip_special_tokens=True)
+    stats = gen.stats.to_dict()
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": completion, "stats": stats}))
+        return 0
+    print(text + completion)
+    print("-" * 60)
+    keys = ["k", "new_tokens", "alpha", "alpha_analytic", "tokens_per_call", "acceptance_efficiency", "target_calls",
+            "draft_calls", "ms_per_token", "draft_s", "target_s", "overhead_s", "prefill_s"]
+    for key in keys:
+        v = stats[key]
+        if v is None or (draft is None and key in ("alpha", "alpha_analytic", "acceptance_efficiency", "draft_calls")):
+            continue
+        print(f"{key:>22}: {v:.4f}" if isinstance(v, float) else f"{key:>22}: {v}")
+    if draft is not None:
+        pos = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
+        print(f"{'acceptance_by_position':>22}: {pos}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

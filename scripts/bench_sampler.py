@@ -1,0 +1,146 @@
+"""Our sampler against transformers on the same pair, interleaved in one process.
+
+    python scripts/bench_sampler.py                                   # demo target, self-draft + 4-layer cut draft
+    python scripts/bench_sampler.py --draft DIR --prompts 6 --max-new-tokens 128 --json bench.json
+
+Rows: our ArS vs transformers `generate` (the baseline every speed-up is quoted against must not be slow),
+and our SpS vs transformers assisted generation (`assistant_model=`, constant K, no confidence cut-off) with
+the same draft. EOS is suppressed so every run produces exactly max_new_tokens. Each prompt runs every
+configuration once, in a shuffled order; ratios are medians over prompts of per-prompt time ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from sampling import autoregressive_generate, speculative_generate
+from sampling.models import DTYPES, load_model, load_tokenizer
+
+PROMPTS = [
+    "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "The history of the printing press begins",
+    "Photosynthesis is the process by which plants",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "A good night's sleep matters because",
+    "def parse_args():\n    parser = argparse.ArgumentParser(",
+]
+
+
+def cut_draft(target_name: str, layers: int, dtype: str):
+    """The target's first N layers + final norm + head: the naive draft peers use (alpha ~0.05)."""
+    m = load_model(target_name, dtype)
+    m.model.layers = m.model.layers[:layers]
+    m.config.num_hidden_layers = layers
+    return m
+
+
+def percentiles(xs):
+    a = np.asarray(xs)
+    return {"mean": float(a.mean()), "std": float(a.std()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", help="draft checkpoint; default: the target cut to --cut-layers layers")
+    ap.add_argument("--cut-layers", type=int, default=4)
+    ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the target as its own draft (alpha ~1): isolates each sampler's machinery")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rng = random.Random(0)
+
+    tok = load_tokenizer(args.target)
+    target = load_model(args.target, args.dtype)
+    drafts = {"cut": load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers,
+                                                                                       args.dtype)}
+    if args.self_draft:
+        drafts["self"] = target
+    for d in drafts.values():
+        d.generation_config.update(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)
+    N, T, P = args.max_new_tokens, args.temperature, args.top_p
+    hf_common = dict(max_new_tokens=N, min_new_tokens=N, do_sample=T > 0, pad_token_id=tok.eos_token_id)
+    if T > 0:
+        hf_common.update(temperature=T, top_p=P, top_k=0)
+
+    configs = {"ours_ars": lambda ids, g: autoregressive_generate(target, ids, max_new_tokens=N, temperature=T,
+                                                                  top_p=P, generator=g),
+               "hf_generate": lambda ids, g: target.generate(ids, **hf_common)}
+    for name, d in drafts.items():
+        configs[f"ours_sps_{name}"] = (lambda d: lambda ids, g: speculative_generate(
+            target, d, ids, max_new_tokens=N, k=args.k, temperature=T, top_p=P, generator=g))(d)
+        configs[f"hf_assisted_{name}"] = (lambda d: lambda ids, g: target.generate(ids, assistant_model=d,
+                                                                                   **hf_common))(d)
+
+    prompts = (PROMPTS * ((args.prompts + len(PROMPTS) - 1) // len(PROMPTS)))[: args.prompts]
+    times = {c: [] for c in configs}
+    extra = {c: [] for c in configs}
+    with torch.inference_mode():
+        target(tok(prompts[0], return_tensors="pt").input_ids)  # warm-up
+        for i, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            order = list(configs)
+            rng.shuffle(order)
+            for c in order:
+                t = time.perf_counter()
+                out = configs[c](ids, torch.Generator().manual_seed(i))
+                times[c].append(time.perf_counter() - t)
+                if hasattr(out, "stats"):
+                    extra[c].append(out.stats.to_dict())
+            print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+
+    rows = {}
+    for c, ts in times.items():
+        ms_tok = [1e3 * t / N for t in ts]
+        row = {"tokens_per_s": N / statistics.median(ts), "ms_per_token": percentiles(ms_tok)}
+        if extra[c] and extra[c][0]["alpha"] is not None:
+            row["alpha"] = statistics.mean(s["alpha"] for s in extra[c])
+            row["tokens_per_call"] = statistics.mean(s["tokens_per_call"] for s in extra[c])
+        rows[c] = row
+
+    def ratio(a, b):  # median over prompts of time(b) / time(a): > 1 means a is faster
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+
+    ratios = {"ours_ars_vs_hf_generate": ratio("ours_ars", "hf_generate")}
+    for name in drafts:
+        ratios[f"ours_sps_{name}_vs_hf_assisted_{name}"] = ratio(f"ours_sps_{name}", f"hf_assisted_{name}")
+        ratios[f"ours_sps_{name}_vs_ours_ars"] = ratio(f"ours_sps_{name}", "ours_ars")
+        ratios[f"hf_assisted_{name}_vs_hf_generate"] = ratio(f"hf_assisted_{name}", "hf_generate")
+
+    print(f"\n{args.target} {args.dtype}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts")
+    print(f"{'config':<20}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tok/call':>9}")
+    for c, r in rows.items():
+        m = r["ms_per_token"]
+        a = f"{r['alpha']:.3f}" if "alpha" in r else "-"
+        tpc = f"{r['tokens_per_call']:.2f}" if "tokens_per_call" in r else "-"
+        print(f"{c:<20}{r['tokens_per_s']:>8.1f}{m['mean']:>12.1f}{m['p50']:>8.1f}{m['p90']:>8.1f}{m['p99']:>8.1f}"
+              f"{a:>8}{tpc:>9}")
+    print("\nspeed ratios (median over prompts, > 1 = first is faster):")
+    for k, v in ratios.items():
+        print(f"  {k:<42}{v:.3f}")
+    result = {"args": vars(args), "rows": rows, "ratios": ratios}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
