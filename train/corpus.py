@@ -1,0 +1,159 @@
+"""The target's corpus as packed token blocks: load through `datasets`, tokenize with the target's tokenizer,
+split train/val by document, pack, cache.
+
+Sources (`data.source`):
+- `stdlib`: the Python standard library's own source (the embedded default; code is the domain where the paper
+  found speculative sampling friendliest);
+- a local dataset directory (`save_to_disk` output or a folder of data files), a .txt/.jsonl/.json/.parquet/.py
+  file or glob, or a `datasets` hub id;
+- `generated`: continuations sampled by the target itself at the deployment temperature (DistillSpec found
+  on-policy data the best for alignment); see `generate_corpus`.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sampling.models import cache_home, stdlib_sources
+
+_BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
+             ".csv": "csv"}
+
+
+class CorpusError(ValueError):
+    pass
+
+
+def _documents(source: str, text_field: str, max_documents: int | None) -> list[str]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source == "stdlib":
+        files = [str(f) for f in stdlib_sources()]
+        ds = datasets.load_dataset("text", data_files={"train": files}, sample_by="document", split="train")
+    else:
+        path = Path(source).expanduser()
+        files = sorted(glob.glob(str(path), recursive=True)) if any(c in source for c in "*?[") else []
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+            ds = datasets.load_from_disk(str(path))
+            ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        elif path.is_dir() or path.is_file() or files:
+            if path.is_dir():
+                files = sorted(str(f) for f in path.rglob("*") if f.suffix in _BUILDERS)
+            elif path.is_file():
+                files = [str(path)]
+            if not files:
+                raise CorpusError(f"no data files ({', '.join(_BUILDERS)}) under {source}")
+            suffixes = {Path(f).suffix for f in files}
+            builders = {_BUILDERS.get(s) for s in suffixes}
+            if None in builders or len(builders) != 1:
+                raise CorpusError(f"mixed or unsupported file types {sorted(suffixes)} in {source}; "
+                                  f"use one of {', '.join(_BUILDERS)}")
+            builder = builders.pop()
+            kw = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files={"train": files}, split="train", **kw)
+        elif source.startswith((".", "/", "~")) or source.count("/") > 1:
+            raise CorpusError(f"corpus not found: {source}")
+        else:
+            try:
+                ds = datasets.load_dataset(source, split="train")
+            except Exception as e:
+                raise CorpusError(f"could not load dataset {source!r} ({type(e).__name__}: {str(e)[:120]}); "
+                                  "pass a local directory or data files") from None
+    if text_field not in ds.column_names:
+        raise CorpusError(f"corpus {source} has no '{text_field}' column (it has {ds.column_names}); "
+                          "set data.text_field")
+    if max_documents:
+        ds = ds.select(range(min(max_documents, len(ds))))
+    return [t for t in ds[text_field] if t and t.strip()]
+
+
+def _fingerprint(source, tokenizer, *parts) -> str:
+    h = hashlib.sha256()
+    h.update(repr(parts).encode())
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    if source == "stdlib":
+        for f in stdlib_sources():
+            st = f.stat()
+            h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+    else:
+        p = Path(source).expanduser()
+        for f in ([p] if p.is_file() else sorted(p.rglob("*")) if p.is_dir() else []):
+            st = f.stat()
+            h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+        h.update(source.encode())
+    return h.hexdigest()[:16]
+
+
+def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
+                text_field: str = "text", max_documents: int | None = None, min_val_blocks: int = 2,
+                min_train_blocks: int = 8) -> dict[str, torch.Tensor]:
+    """{'train': (N, block_size), 'val': (M, block_size)} LongTensors, cached under $DRAFTSMITH_HOME/corpus."""
+    if block_size < 2:
+        raise CorpusError(f"data.block_size must be >= 2, got {block_size}")
+    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
+    path = cache_home() / "corpus" / f"{key}.safetensors"
+    if path.is_file():
+        return load_file(path)
+    docs = _documents(source, text_field, max_documents)
+    if not docs:
+        raise CorpusError(f"corpus {source} is empty")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(docs), generator=g).tolist()
+    n_val = max(1, int(round(len(docs) * val_fraction))) if len(docs) > 1 else 0
+    splits = {"val": [docs[i] for i in order[:n_val]], "train": [docs[i] for i in order[n_val:]]}
+    eos = tokenizer.eos_token_id
+    out = {}
+    for name, texts in splits.items():
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        flat = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
+        n = len(flat) // block_size
+        out[name] = flat[: n * block_size].view(n, block_size)
+    if len(out["train"]) < min_train_blocks or len(out["val"]) < min_val_blocks:
+        total = sum(len(v) * block_size for v in out.values())
+        raise CorpusError(f"corpus {source} is too small: {total} tokens make {len(out['train'])} train and "
+                          f"{len(out['val'])} val blocks of {block_size}; need {min_train_blocks} and "
+                          f"{min_val_blocks} (lower data.block_size or add text)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
+                    max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 8,
+                    seed: int = 0, progress: bool = True) -> Path:
+    """Sample continuations of `prompts` from the target into a JSONL file (field `text`); resumable: rows
+    already in the file are kept and the work continues after them."""
+    from tqdm import tqdm
+
+    from sampling import autoregressive_generate
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
+    jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
+    todo = jobs[done:]
+    tokenizer.padding_side = "left"
+    with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress,
+                                       desc="target-generated corpus") as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start: start + batch_size]
+            enc = tokenizer([p for _, p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            g = torch.Generator().manual_seed(seed + done + start)
+            gen = autoregressive_generate(target, enc.input_ids, attention_mask=enc.attention_mask,
+                                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                          eos_token_id=tokenizer.eos_token_id, generator=g)
+            for (_, prompt), toks in zip(chunk, gen.tokens):
+                f.write(json.dumps({"text": prompt + tokenizer.decode(toks, skip_special_tokens=True)}) + "\n")
+            f.flush()
+            bar.update(len(chunk))
+    return out_path

@@ -1,0 +1,103 @@
+"""The LightningModule: a trainable draft distilled online from a frozen target."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+
+from sampling.probs import SamplingConfig, process_logits
+from sampling.rejection import expected_acceptance
+from train.losses import draft_loss
+
+
+class DraftModule(L.LightningModule):
+    """Holds the draft (trained) and the target (frozen, outside the module's parameters).
+
+    The target is kept out of `nn.Module` registration on purpose: it never enters `state_dict`, so it is never
+    saved in a draft checkpoint, never wrapped or partitioned by DDP/DeepSpeed, and never touched by the optimiser.
+    """
+
+    def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int):
+        super().__init__()
+        self.draft = draft
+        self._target = [target]  # a list hides it from nn.Module registration
+        self.loss_cfg, self.optim_cfg, self.max_steps = loss, optim, max_steps
+        self.sampling = SamplingConfig(sampler["temperature"], sampler.get("top_k", 0), sampler.get("top_p", 1.0))
+        self.save_hyperparameters({"loss": loss, "optim": optim, "sampler": sampler, "max_steps": max_steps})
+        self._tokens_seen = 0
+        self._t_last = None
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    def on_fit_start(self):
+        self._target[0] = self.target.to(self.device)
+
+    def _target_logits(self, ids):
+        if not self.loss_cfg.get("distill", True):
+            return None
+        with torch.inference_mode():
+            return self.target(input_ids=ids).logits.clone()  # clone: leave inference mode for autograd
+
+    def _weights(self) -> dict:
+        w = dict(self.loss_cfg["weights"])
+        anneal = self.loss_cfg.get("anneal")
+        if anneal:  # linear from the term's weight to `to` over the first `over` fraction of training
+            frac = min(1.0, self.global_step / max(1.0, anneal["over"] * self.max_steps))
+            w[anneal["term"]] = w[anneal["term"]] + frac * (anneal["to"] - w[anneal["term"]])
+        return w
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        logits = self.draft(input_ids=ids).logits[:, :-1]  # (B, T-1, V)
+        tlogits = self._target_logits(ids)
+        tlogits = None if tlogits is None else tlogits[:, :-1]
+        V = logits.shape[-1]
+        total, parts = draft_loss(logits.reshape(-1, V), ids[:, 1:].reshape(-1),
+                                  None if tlogits is None else tlogits.reshape(-1, V), self._weights(),
+                                  self.loss_cfg.get("temperature", 1.0))
+        self.log("train/loss", total, prog_bar=True)
+        for k, v in parts.items():
+            self.log(f"train/{k}", v)
+        self._tokens_seen += ids.numel()
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self.log("train/tokens_per_s", ids.numel() * self.trainer.world_size / (now - self._t_last), prog_bar=True)
+        self._t_last = now
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return total
+
+    def validation_step(self, batch, batch_idx):
+        """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""
+        ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        logits = self.draft(input_ids=ids).logits[:, :-1]
+        with torch.inference_mode():
+            tlogits = self.target(input_ids=ids).logits[:, :-1]
+        V = logits.shape[-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), ids[:, 1:].reshape(-1))
+        acc = []
+        for lp, lq in zip(logits.reshape(-1, V).split(512), tlogits.reshape(-1, V).split(512)):
+            acc.append(expected_acceptance(process_logits(lp, self.sampling), process_logits(lq, self.sampling)))
+        acc = torch.cat(acc)
+        self.log("val/loss", ce, sync_dist=True)
+        self.log("val/alpha_analytic", acc.mean(), sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.98))),
+                                weight_decay=o.get("weight_decay", 0.01))
+        warmup, floor = o.get("warmup_steps", 30), o.get("min_lr_ratio", 0.1)
+
+        def schedule(step):  # linear warm-up, then cosine to floor * lr at max_steps
+            if step < warmup:
+                return (step + 1) / warmup
+            t = min(1.0, (step - warmup) / max(1, self.max_steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,92 @@
+"""After training: save the best draft as a Hugging Face checkpoint and measure it against the target."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from sampling.cost import predicted_speedup
+from train.evaluate import acceptance, load_prompts
+from train.models import truncated_target
+
+
+def draft_from_checkpoint(draft, ckpt_path: str):
+    """A copy of `draft` with the weights of a Lightning checkpoint (read with weights_only=True)."""
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]
+    out = copy.deepcopy(draft)
+    out.load_state_dict({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")})
+    return out.eval()
+
+
+def save_draft(draft, tokenizer, path: Path) -> Path:
+    """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is."""
+    draft.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
+    """{draft name: {prompt set: acceptance dict (+ predicted_speedup)}} at the sampler's settings."""
+    s = cfg.sampler
+    out = {}
+    for name, draft in drafts.items():
+        out[name] = {}
+        for ps in cfg.eval.prompt_sets:
+            prompts = [r["prompt"] for r in load_prompts(ps, cfg.eval.n_prompts)]
+            res = acceptance(target, draft, tokenizer, prompts, k=s.k, temperature=s.temperature, top_p=s.top_p,
+                             top_k=s.top_k, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+            if cost and name != "baseline_cut_target":
+                res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
+            out[name][ps] = res
+    return out
+
+
+def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, acceptance_cb, wall_s: float,
+                 tokens_per_s: float | None) -> dict:
+    last = module.draft.eval()
+    best_path = checkpoint_cb.best_model_path
+    best = draft_from_checkpoint(last, best_path) if best_path else last
+    best_dir = save_draft(best, tokenizer, out_dir / "best_draft")
+    drafts = {"best": best, "last": last}
+    if cfg.eval.baseline:
+        drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)
+    with torch.inference_mode():
+        results = measure(target, drafts, tokenizer, cfg, acceptance_cb.cost)
+    report = {
+        "best_draft": str(best_dir),
+        "best_checkpoint": best_path,
+        "monitor": cfg.checkpoint.monitor,
+        "best_score": float(checkpoint_cb.best_model_score) if checkpoint_cb.best_model_score is not None else None,
+        "sampler": {"k": cfg.sampler.k, "temperature": cfg.sampler.temperature, "top_p": cfg.sampler.top_p},
+        "c": acceptance_cb.cost["c"] if acceptance_cb.cost else None,
+        "cost": acceptance_cb.cost,
+        "validation_history": acceptance_cb.history,
+        "eval": results,
+        "train_tokens_per_s": tokens_per_s,
+        "wall_s": wall_s,
+        "draft_layers": best.config.num_hidden_layers,
+        "draft_params": sum(p.numel() for p in best.parameters()),
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def print_report(report: dict) -> None:
+    s = report["sampler"]
+    print(f"\nbest draft: {report['best_draft']}")
+    print(f"  (checkpoint {report['best_checkpoint']}, {report['monitor']} = {report['best_score']})")
+    print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets:")
+    print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'tok/call':>10}{'pred. speed-up':>16}")
+    for name, sets in report["eval"].items():
+        for ps, r in sets.items():
+            sp = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+            print(f"  {name:<22}{ps:<10}{r['alpha']:>8.3f}{r['alpha_analytic']:>16.3f}{r['tokens_per_call']:>10.2f}"
+                  f"{sp:>16}")
+    if report["c"] is not None:
+        print(f"draft cost c = {report['c']:.3f} of a target step (measured here)")
+    if report["train_tokens_per_s"]:
+        print(f"training throughput: {report['train_tokens_per_s']:.0f} tokens/s")
+    print(f"wall time: {report['wall_s'] / 60:.1f} min")
