@@ -51,19 +51,59 @@ def tv(draft_logits, target_logits, temperature: float = 1.0) -> torch.Tensor:
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd, "tv": tv}
 
 
-def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], temperature: float = 1.0):
+def _fused(draft_logits, target_logits, temperature: float, names: tuple[str, ...]) -> dict:
+    """All requested divergences from one pair of log-softmaxes (jsd with beta = 0.5)."""
+    logp = F.log_softmax(draft_logits.float() / temperature, -1)
+    logq = F.log_softmax(target_logits.float() / temperature, -1)
+    p, q = logp.exp(), logq.exp()
+    out = {}
+    if "forward_kl" in names:
+        out["forward_kl"] = (q * (logq - logp)).sum(-1).mean()
+    if "reverse_kl" in names:
+        out["reverse_kl"] = (p * (logp - logq)).sum(-1).mean()
+    if "tv" in names:
+        out["tv"] = 0.5 * (p - q).abs().sum(-1).mean()
+    if "jsd" in names:
+        logm = torch.log(0.5 * (p + q))
+        out["jsd"] = 0.5 * ((p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)).mean()
+    return out
+
+
+# Over (1024 positions x 49k vocab) the eager losses take 1.9 s per step on our 2-core CPU, the compiled
+# fusion 0.18 s (after a one-off ~20 s compile). Weights stay outside: a changing Python float passed into a
+# compiled function recompiles every step.
+_compiled = None
+
+
+def divergences(draft_logits, target_logits, temperature: float, names: tuple[str, ...], compile: bool = True):
+    global _compiled
+    if compile:
+        if _compiled is None:
+            _compiled = torch.compile(_fused, dynamic=False)
+        try:
+            return _compiled(draft_logits, target_logits, temperature, names)
+        except Exception as e:  # no C++ compiler, unsupported backend: correctness first, speed second
+            import warnings
+
+            warnings.warn(f"torch.compile of the distillation loss failed ({type(e).__name__}); running eager")
+            _compiled = _fused
+    return _fused(draft_logits, target_logits, temperature, names)
+
+
+def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], temperature: float = 1.0,
+               compile: bool = True):
     """Weighted sum of cross-entropy ('ce') and divergences; returns (total, {name: value})."""
-    parts = {}
-    if weights.get("ce", 0):
-        parts["ce"] = cross_entropy(draft_logits, labels)
-    for name, fn in DIVERGENCES.items():
-        if weights.get(name, 0):
-            if target_logits is None:
-                raise ValueError(f"loss '{name}' needs the target's logits: set loss.distill=true")
-            parts[name] = fn(draft_logits, target_logits, temperature)
     unknown = set(weights) - {"ce", *DIVERGENCES}
     if unknown:
         raise ValueError(f"unknown loss terms {sorted(unknown)}; choose from ce, {', '.join(DIVERGENCES)}")
+    parts = {}
+    if weights.get("ce", 0):
+        parts["ce"] = cross_entropy(draft_logits, labels)
+    names = tuple(sorted(n for n in DIVERGENCES if weights.get(n, 0)))
+    if names:
+        if target_logits is None:
+            raise ValueError(f"loss terms {list(names)} need the target's logits: set loss.distill=true")
+        parts.update(divergences(draft_logits, target_logits, temperature, names, compile))
     if not parts:
         raise ValueError("all loss weights are zero: give ce or a divergence a positive weight")
     total = sum(weights[k] * v for k, v in parts.items())

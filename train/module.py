@@ -59,7 +59,7 @@ class DraftModule(L.LightningModule):
         V = logits.shape[-1]
         total, parts = draft_loss(logits.reshape(-1, V), ids[:, 1:].reshape(-1),
                                   None if tlogits is None else tlogits.reshape(-1, V), self._weights(),
-                                  self.loss_cfg.get("temperature", 1.0))
+                                  self.loss_cfg.get("temperature", 1.0), self.loss_cfg.get("compile", True))
         self.log("train/loss", total, prog_bar=True)
         for k, v in parts.items():
             self.log(f"train/{k}", v)
@@ -70,6 +70,9 @@ class DraftModule(L.LightningModule):
         self._t_last = now
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
+
+    def on_validation_epoch_end(self):
+        self._t_last = None  # the next step's throughput must not include validation time
 
     def validation_step(self, batch, batch_idx):
         """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""
