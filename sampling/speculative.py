@@ -165,11 +165,13 @@ def autoregressive_generate(
     logits = _prefill(dec, input_ids, attention_mask)[:, -1]
     pos = dec.valid.sum(1)  # (B,) position of the next token
     stats.prefill_s = time.perf_counter() - t0
+    stats.record_loop(0)
     while True:
         probs = process_logits(logits, cfg)
         tok = probs.argmax(-1) if cfg.greedy else sample(probs, generator)
         done, kept = rows.emit([[x] for x in tok.tolist()])
         stats.new_tokens += kept
+        stats.record_loop(kept)
         stats.row_loops += len(tok)
         if bool(done.all()):
             break
@@ -234,6 +236,7 @@ def speculative_generate(
     backlog = torch.zeros(B, dtype=torch.long, device=dev)
     has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
     stats.prefill_s = time.perf_counter() - t0
+    stats.record_loop(0)
 
     while True:
         Bn = pending.shape[0]
@@ -298,6 +301,7 @@ def speculative_generate(
         n_list, d_rows, nxt_list = n.tolist(), drafts.tolist(), nxt.tolist()
         done, kept = rows.emit([d_rows[i][: n_list[i]] + [nxt_list[i]] for i in range(Bn)])
         stats.new_tokens += kept
+        stats.record_loop(kept)
         if bool(done.all()):
             break
         if bool(done.any()):

@@ -29,6 +29,24 @@ class GenerationStats:
     target_s: float = 0.0
     total_s: float = 0.0
     prefill_s: float = 0.0
+    loop_end_s: list[float] = field(default_factory=list)  # perf_counter at the end of each loop
+    loop_tokens: list[int] = field(default_factory=list)  # tokens emitted in that loop (all rows)
+
+    def record_loop(self, tokens: int) -> None:
+        import time
+
+        self.loop_end_s.append(time.perf_counter())
+        self.loop_tokens.append(tokens)
+
+    def token_latencies_ms(self) -> list[float]:
+        """Per emitted token: the wall time of the loop that emitted it divided by that loop's tokens (tokens of
+        one loop arrive together). The first loop's clock starts after the prefill."""
+        out = []
+        for i in range(1, len(self.loop_end_s)):
+            n = self.loop_tokens[i]
+            if n:
+                out += [1e3 * (self.loop_end_s[i] - self.loop_end_s[i - 1]) / n] * n
+        return out
 
     def record_position(self, i: int, tested: int, accepted: int) -> None:
         while len(self.tested_at) <= i:
@@ -72,6 +90,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("loop_end_s")
+        d.pop("loop_tokens")
         for name in ("alpha", "alpha_analytic", "tokens_per_call", "acceptance_efficiency",
                      "acceptance_by_position", "overhead_s", "ms_per_token"):
             d[name] = getattr(self, name)

@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # No network beyond package registries: never let a library reach for a hub or W&B servers in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,3 +38,22 @@ def demo_target():
         return load_model("smollm2-135m", "fp32"), load_tokenizer("smollm2-135m")
     except Exception as e:  # no registry access: say so, do not pass silently
         pytest.fail(f"demo target unavailable: {e}")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_entry(*overrides, timeout=600):
+    """`python train/draft.py OVERRIDES` in a subprocess, as a user runs it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+    return subprocess.run([sys.executable, str(ROOT / "train" / "draft.py"), *overrides], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """One `recipe=smoke` run shared by the tests that read its outputs."""
+    out = tmp_path_factory.mktemp("smoke")
+    res = run_entry("recipe=smoke", f"hydra.run.dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res

@@ -78,7 +78,8 @@ def train(cfg: DictConfig) -> dict:
     tps = trainer.callback_metrics.get("train/tokens_per_s")
     report = final_report(target=target, module=module, tokenizer=tok, cfg=cfg, out_dir=out_dir,
                           checkpoint_cb=checkpoint_cb, acceptance_cb=acceptance_cb, wall_s=time.time() - t0,
-                          tokens_per_s=float(tps) if tps is not None else None)
+                          tokens_per_s=float(tps) if tps is not None else None,
+                          token_counts=torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size))
     print_report(report)
     return report
 

@@ -54,6 +54,9 @@ def draft_config_for(target_config, cfg: DraftConfig):
     d = tc.to_dict()
     d.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads, **cfg.extra)
+    if d["vocab_size"] != tc.vocab_size:
+        raise ValueError(f"draft vocabulary ({d['vocab_size']}) differs from the target's ({tc.vocab_size}): "
+                         "a draft must share the target's tokenizer and vocabulary")
     d.pop("quantization_config", None)
     d.pop("layer_types", None)  # derived from num_hidden_layers by the config class
     return type(tc)(**d)

@@ -21,10 +21,15 @@ def draft_from_checkpoint(draft, ckpt_path: str):
     return out.eval()
 
 
-def save_draft(draft, tokenizer, path: Path) -> Path:
-    """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is."""
+def save_draft(draft, tokenizer, path: Path, token_counts: torch.Tensor | None = None) -> Path:
+    """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is. The corpus'
+    token counts ride along (token_counts.safetensors) for an exact pruned draft head (sampling/pruned.py)."""
+    from safetensors.torch import save_file
+
     draft.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    if token_counts is not None:
+        save_file({"counts": token_counts.contiguous()}, path / "token_counts.safetensors")
     return path
 
 
@@ -45,11 +50,11 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
 
 
 def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, acceptance_cb, wall_s: float,
-                 tokens_per_s: float | None) -> dict:
+                 tokens_per_s: float | None, token_counts: torch.Tensor | None = None) -> dict:
     last = module.draft.eval()
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
-    best_dir = save_draft(best, tokenizer, out_dir / "best_draft")
+    best_dir = save_draft(best, tokenizer, out_dir / "best_draft", token_counts)
     drafts = {"best": best, "last": last}
     if cfg.eval.baseline:
         drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)

@@ -1,0 +1,273 @@
+"""The paper's Table 1 and Figure 1 for any draft+target pair on this machine, with the speed-up model beside them.
+
+    python scripts/bench.py --target smollm2-135m --draft outputs/.../best_draft
+    python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts recipes/prompts/code.jsonl --n-prompts 4 --out bench/
+
+Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
+ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
+Figure 1: K = 0..8: time for 128 tokens (mean, std), acceptance efficiency, time per loop -> PNG + JSON.
+The speed-up model: c and v(K) measured here, predicted vs measured speed-up per K, the recommended K.
+Peers in the same run: transformers `generate` and assisted generation with the same pair.
+Everything runs interleaved (configs shuffled per prompt) so load on the machine hits all configs alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from scipy.stats import ks_2samp, mannwhitneyu
+
+from sampling import autoregressive_generate, speculative_generate
+from sampling.cost import best_k, measure_costs, predicted_speedup
+from sampling.models import ModelNotFound, load_model, load_tokenizer
+from sampling.pruned import PrunedHeadDraft, top_tokens
+from train.evaluate import PROMPTS_DIR, load_prompts
+
+DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
+
+
+def pct(xs):
+    a = np.asarray(xs, dtype=float)
+    if not len(a):
+        return {}
+    return {"mean": float(a.mean()), "std": float(a.std()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def token_counts_for(draft_dir: Path, tok) -> torch.Tensor:
+    f = draft_dir / "token_counts.safetensors"
+    if f.is_file():
+        return load_file(f)["counts"]
+    from train.corpus import load_blocks  # the run predates saved counts: recount the default corpus (cached)
+
+    print("token_counts.safetensors not in the draft dir: counting the stdlib corpus", file=sys.stderr)
+    return torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))
+
+
+@torch.inference_mode()
+def target_logprob(target, prompt_ids, new_tokens) -> float:
+    """Mean log-probability the target gives the generated tokens: the per-sequence statistic of the test."""
+    ids = torch.cat([prompt_ids[0], new_tokens])[None]
+    logits = target(input_ids=ids).logits[0, prompt_ids.shape[1] - 1: -1].float()
+    return float(torch.log_softmax(logits, -1).gather(-1, new_tokens[:, None]).mean())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", required=True, help="draft checkpoint dir (e.g. a run's best_draft)")
+    ap.add_argument("--prompts", nargs="+", default=[str(PROMPTS_DIR / "code.jsonl"), str(PROMPTS_DIR / "english.jsonl")],
+                    help="JSONL files with a `prompt` field (optional `domain`)")
+    ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("-k", type=int, default=4, help="K of Table 1")
+    ap.add_argument("--k-sweep", type=int, nargs="+", default=list(range(0, 9)), help="Ks of Figure 1 (0 = ArS)")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="prune the draft head to the N most frequent tokens")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default="bench", help="output directory for bench.json and figure1.png")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        tok = load_tokenizer(args.target)
+        target = load_model(args.target, args.dtype)
+        full_draft = load_model(args.draft, args.dtype)
+        rows = [r for f in args.prompts for r in load_prompts(f, args.n_prompts)]
+    except (ModelNotFound, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    draft = full_draft
+    if args.draft_vocab:
+        ids = top_tokens(token_counts_for(Path(args.draft), tok), args.draft_vocab, [tok.eos_token_id])
+        draft = PrunedHeadDraft(full_draft, ids)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    N = args.max_new_tokens
+    rng = random.Random(args.seed)
+
+    print("measuring c and v(K)...", file=sys.stderr)
+    with torch.inference_mode():
+        cost = measure_costs(target, draft, ks=[k for k in args.k_sweep if k > 0] or [args.k])
+    full_full_c = None
+    if args.draft_vocab:
+        with torch.inference_mode():
+            full_full_c = measure_costs(target, full_draft, ks=(1,), reps=7)["c"]
+    for d in {id(full_draft): full_draft}.values():
+        d.generation_config.update(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)
+
+    ks = sorted(set(args.k_sweep) | {0, args.k})
+    runs = []  # one record per (prompt, config)
+    for i, row in enumerate(rows):
+        domain = row["domain"]
+        T, P = DOMAIN_SETTINGS.get(domain, (0.8, 0.95))
+        ids = tok(row["prompt"], return_tensors="pt").input_ids
+        configs = [("ours", k) for k in ks] + ([("hf_generate", 0), ("hf_assisted", args.k)] if args.peers else [])
+        rng.shuffle(configs)
+        for name, k in configs:
+            g = torch.Generator().manual_seed(args.seed * 1000 + i)
+            common = dict(max_new_tokens=N, temperature=T, top_p=P, generator=g)
+            if name == "ours" and k == 0:
+                gen = autoregressive_generate(target, ids, **common)
+            elif name == "ours":
+                gen = speculative_generate(target, draft, ids, k=k, **common)
+            else:
+                import time
+
+                hf = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=T, top_p=P, top_k=0,
+                          pad_token_id=tok.eos_token_id)
+                if name == "hf_assisted":
+                    hf["assistant_model"] = full_draft
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    target.generate(ids, **hf)
+                runs.append({"prompt": i, "domain": domain, "config": name, "k": k, "time_s": time.perf_counter() - t})
+                continue
+            s = gen.stats
+            rec = {"prompt": i, "domain": domain, "config": "ars" if k == 0 else "sps", "k": k,
+                   "time_s": s.total_s, "new_tokens": s.new_tokens, "target_calls": s.target_calls,
+                   "alpha": s.alpha, "alpha_analytic": s.alpha_analytic, "tokens_per_call": s.tokens_per_call,
+                   "token_ms": s.token_latencies_ms(), "draft_s": s.draft_s, "target_s": s.target_s,
+                   "overhead_s": s.overhead_s}
+            if k in (0, args.k):
+                rec["target_logprob"] = target_logprob(target, ids, gen.tokens[0])
+            runs.append(rec)
+        print(f"prompt {i + 1}/{len(rows)} ({domain}) done", file=sys.stderr, flush=True)
+
+    result = summarise(runs, cost, args, full_full_c)
+    (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), "cost": cost, **result, "runs": runs},
+                                                   indent=2, default=float))
+    plot(result, out_dir / "figure1.png", args)
+    print_tables(result, cost, args, full_full_c)
+    print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'figure1.png'}")
+    return 0
+
+
+def summarise(runs, cost, args, full_c):
+    N = args.max_new_tokens
+    by = lambda **kw: [r for r in runs if all(r.get(a) == b for a, b in kw.items())]  # noqa: E731
+    domains = sorted({r["domain"] for r in runs})
+    table1 = {}
+    for d in domains:
+        ars, sps = by(domain=d, config="ars"), by(domain=d, config="sps", k=args.k)
+        speedups = [a["time_s"] / s["time_s"] for a in ars for s in sps if a["prompt"] == s["prompt"]]
+        lp_a, lp_s = [r["target_logprob"] for r in ars], [r["target_logprob"] for r in sps]
+        alpha = statistics.mean(r["alpha"] for r in sps)
+        row = {
+            "ars_ms_per_token": pct([1e3 * r["time_s"] / N for r in ars]),
+            "sps_ms_per_token": pct([1e3 * r["time_s"] / N for r in sps]),
+            "speedup_median": statistics.median(speedups), "speedup_mean": statistics.mean(speedups),
+            "alpha": alpha, "alpha_analytic": statistics.mean(r["alpha_analytic"] for r in sps),
+            "tokens_per_call": statistics.mean(r["tokens_per_call"] for r in sps),
+            "predicted_speedup": predicted_speedup(alpha, args.k, cost["c"], cost["v"][args.k]),
+            "same_distribution_ks_pvalue": float(ks_2samp(lp_a, lp_s).pvalue) if len(lp_a) > 1 else None,
+            "same_distribution_mwu_pvalue": float(mannwhitneyu(lp_a, lp_s).pvalue) if len(lp_a) > 1 else None,
+            "target_logprob_ars": statistics.mean(lp_a), "target_logprob_sps": statistics.mean(lp_s),
+            "sps_token_ms": pct([x for r in sps for x in r["token_ms"]]),
+            "ars_token_ms": pct([x for r in ars for x in r["token_ms"]]),
+        }
+        hf_g, hf_a = by(domain=d, config="hf_generate"), by(domain=d, config="hf_assisted")
+        if hf_g:
+            row["ours_ars_vs_hf_generate"] = statistics.median(
+                g["time_s"] / a["time_s"] for a in ars for g in hf_g if a["prompt"] == g["prompt"])
+            row["ours_sps_vs_hf_assisted"] = statistics.median(
+                h["time_s"] / s["time_s"] for s in sps for h in hf_a if s["prompt"] == h["prompt"])
+            row["hf_assisted_speedup"] = statistics.median(
+                g["time_s"] / h["time_s"] for h in hf_a for g in hf_g if h["prompt"] == g["prompt"])
+        table1[d] = row
+    figure1 = {}
+    alpha_all = statistics.mean(r["alpha"] for r in by(config="sps", k=args.k))
+    for k in sorted({r["k"] for r in runs if r["config"] in ("ars", "sps")}):
+        rs = [r for r in runs if r["config"] in ("ars", "sps") and r["k"] == k]
+        ars_t = {(r["prompt"]): r["time_s"] for r in by(config="ars")}
+        loops = [r["target_calls"] for r in rs]
+        tpc = statistics.mean(r["tokens_per_call"] for r in rs)
+        alpha_k = statistics.mean(r["alpha"] for r in rs) if k else None
+        figure1[k] = {
+            "time_s": pct([r["time_s"] * N / r["new_tokens"] for r in rs]),
+            "acceptance_efficiency": tpc / (k + 1), "tokens_per_call": tpc, "alpha": alpha_k,
+            "ms_per_loop": statistics.mean(1e3 * r["time_s"] / max(1, c) for r, c in zip(rs, loops)),
+            "measured_speedup": statistics.median(ars_t[r["prompt"]] / r["time_s"] for r in rs),
+            "predicted_speedup": 1.0 if k == 0 else predicted_speedup(alpha_k, k, cost["c"], cost["v"][k]),
+        }
+    rec_k, rec_s = best_k(alpha_all, cost["c"], {k: v for k, v in cost["v"].items()})
+    return {"table1": table1, "figure1": figure1, "recommended_k": rec_k, "recommended_k_predicted": rec_s,
+            "c_full_head": full_c}
+
+
+def plot(result, path, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f1 = result["figure1"]
+    ks = sorted(f1)
+    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
+    mean = [f1[k]["time_s"]["mean"] * 1e3 for k in ks]
+    std = [f1[k]["time_s"]["std"] * 1e3 for k in ks]
+    ax[0].errorbar(ks, mean, yerr=std, marker="o", capsize=3)
+    ax[0].set(xlabel="K", ylabel=f"ms for {args.max_new_tokens} tokens", title="Mean time to sample (± std)")
+    ax[1].plot(ks, [f1[k]["acceptance_efficiency"] for k in ks], marker="o")
+    ax[1].set(xlabel="K", ylabel="mean tokens per loop / (K+1)", title="Acceptance efficiency", ylim=(0, 1.05))
+    ax[2].plot(ks, [f1[k]["ms_per_loop"] for k in ks], marker="o", label="measured")
+    ax[2].set(xlabel="K", ylabel="ms per loop", title="Time per loop")
+    for a in ax:
+        a.grid(alpha=0.3)
+    ax[3].plot(ks, [f1[k]["predicted_speedup"] for k in ks], "g--", marker="x", label="predicted (measured c, v(K))")
+    ax[3].plot(ks, [f1[k]["measured_speedup"] for k in ks], "r-", marker="s", label="measured")
+    ax[3].axhline(1.0, color="gray", lw=0.8)
+    ax[3].set(xlabel="K", ylabel="speed-up vs ArS", title="Speed-up: model vs measurement")
+    ax[3].legend(fontsize=8)
+    fig.suptitle(f"{args.target} + {Path(args.draft).name}" + (f" (draft vocab {args.draft_vocab})"
+                                                              if args.draft_vocab else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_tables(result, cost, args, full_c):
+    print(f"\nTable 1 (batch 1, K={args.k}, {args.max_new_tokens} new tokens)")
+    print(f"{'domain':<9}{'ArS ms/tok':>12}{'SpS ms/tok':>12}{'speed-up':>10}{'predicted':>10}{'alpha':>7}"
+          f"{'tok/call':>9}{'same-dist p':>12}{'vs HF gen':>10}{'vs HF asst':>11}")
+    for d, r in result["table1"].items():
+        a, s = r["ars_ms_per_token"], r["sps_ms_per_token"]
+        print(f"{d:<9}{a['mean']:>7.1f}±{a['std']:<4.1f}{s['mean']:>7.1f}±{s['std']:<4.1f}{r['speedup_median']:>9.2f}x"
+              f"{r['predicted_speedup']:>9.2f}x{r['alpha']:>7.3f}{r['tokens_per_call']:>9.2f}"
+              f"{r['same_distribution_ks_pvalue'] or float('nan'):>12.3f}"
+              f"{r.get('ours_ars_vs_hf_generate', float('nan')):>9.2f}x{r.get('ours_sps_vs_hf_assisted', float('nan')):>10.2f}x")
+    print("  per-token latency P50/P90/P99 (ms):")
+    for d, r in result["table1"].items():
+        for name in ("ars", "sps"):
+            t = r[f"{name}_token_ms"]
+            print(f"    {d:<9}{name}: {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f}")
+    print(f"\nspeed-up model: c = {cost['c']:.3f} (draft {cost['draft_ms']:.1f} ms, target {cost['target_ms']:.1f} ms)"
+          + (f", full-head c = {full_c:.3f}" if full_c else ""))
+    print(f"{'K':>3}{'v(K)':>7}{'alpha':>7}{'accept eff':>11}{'ms/loop':>9}{'ms/128':>9}{'predicted':>10}{'measured':>9}")
+    for k, r in result["figure1"].items():
+        v = cost["v"].get(k, 1.0)
+        al = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
+        print(f"{k:>3}{v:>7.3f}{al:>7}{r['acceptance_efficiency']:>11.3f}{r['ms_per_loop']:>9.1f}"
+              f"{r['time_s']['mean'] * 1e3:>9.0f}{r['predicted_speedup']:>9.2f}x{r['measured_speedup']:>8.2f}x")
+    print(f"recommended K = {result['recommended_k']} (predicted {result['recommended_k_predicted']:.2f}x)")
+    for d, r in result["table1"].items():
+        gap = r["speedup_median"] / r["predicted_speedup"] - 1
+        why = []
+        if r["alpha"] < 0.6:
+            why.append(f"alpha {r['alpha']:.2f} is low (the paper's drafts: ~0.7-0.8)")
+        if cost["c"] > 0.1:
+            why.append(f"c {cost['c']:.2f} is high (try --draft-vocab)")
+        if cost["v"].get(args.k, 1) > 1.2:
+            why.append(f"v({args.k}) {cost['v'][args.k]:.2f}: scoring K+1 tokens is not free here")
+        print(f"  {d}: measured {gap:+.0%} vs predicted; " + ("; ".join(why) if why else "no obvious limiter"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Export of a draft+target bundle from a smoke run: reload, assisted generation, our sampler, refusals."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sampling import speculative_generate
+
+
+@pytest.fixture(scope="module")
+def bundle(smoke_run, tmp_path_factory):
+    from train.export import export
+
+    run_dir, _ = smoke_run
+    out = tmp_path_factory.mktemp("bundle") / "pair"
+    export(run_dir, out, n_prompts=2, max_new_tokens=16, ks=(1, 2, 3, 4))
+    return run_dir, out
+
+
+def test_bundle_layout_and_acceptance_card(bundle):
+    _, out = bundle
+    spec = json.loads((out / "speculative.json").read_text())
+    assert {"code", "english"} == set(spec["acceptance"]) and 1 <= spec["recommended_k"] <= 4
+    assert spec["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0}
+    vllm = json.loads((out / "vllm_speculative_config.json").read_text())
+    assert vllm["method"] == "draft_model" and vllm["num_speculative_tokens"] == spec["recommended_k"]
+    cfg = json.loads((out / "draft" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-random"
+    assert (out / "draft" / "model.safetensors").is_file() and (out / "draft" / "tokenizer.json").is_file()
+    ref = json.loads((out / "target.json").read_text())
+    assert len(ref["config_sha256"]) == 64 and len(ref["tokenizer_sha256"]) == 64
+    card = (out / "README.md").read_text()
+    assert "assistant_model=draft" in card and "vllm serve" in card and "python -m sampling.generate" in card
+    assert not list(out.parent.glob(".pair.partial-*"))  # atomic: no leftovers
+
+
+def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bundle):
+    from sampling.models import load_model, resolve
+
+    _, out = bundle
+    target = AutoModelForCausalLM.from_pretrained(resolve("tiny-random"))
+    tok = AutoTokenizer.from_pretrained(out / "draft")
+    draft = AutoModelForCausalLM.from_pretrained(out / "draft")
+    ids = tok("def f(x):", return_tensors="pt").input_ids
+    hf = target.generate(ids, assistant_model=draft, do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=12,
+                         min_new_tokens=12, pad_token_id=tok.eos_token_id)
+    assert hf.shape[1] == ids.shape[1] + 12
+    spec = json.loads((out / "speculative.json").read_text())
+    ours = speculative_generate(load_model("tiny-random", "bf16"), load_model(str(out / "draft"), "bf16"), ids,
+                                max_new_tokens=12, k=spec["recommended_k"], temperature=0.8, top_p=0.95,
+                                generator=torch.Generator().manual_seed(0))
+    assert len(ours.tokens[0]) == 12 and ours.stats.alpha is not None
+
+
+def test_export_refuses_a_mismatched_pair(bundle, tmp_path):
+    from train.export import ExportError, export
+
+    _, out = bundle
+    broken = tmp_path / "draft"
+    shutil.copytree(out / "draft", broken)
+    tok = json.loads((broken / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: same size, different tokenizer
+    (broken / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ExportError, match="vocabularies differ"):
+        export(broken, tmp_path / "never", target_arg="tiny-random", n_prompts=1, max_new_tokens=4, ks=(1,))
+    assert not (tmp_path / "never").exists()
+
+
+def test_export_refuses_what_is_not_a_run(tmp_path):
+    from train.export import main
+
+    assert main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from sampling.probs import SamplingConfig, process_logits
+from sampling.rejection import expected_acceptance
+from train import losses
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 50, generator=g) * 3, torch.randn(16, 50, generator=g) * 3
+
+
+@pytest.mark.parametrize("name", sorted(losses.DIVERGENCES))
+def test_divergence_is_zero_on_equal_and_positive_otherwise(logits, name):
+    d, t = logits
+    fn = losses.DIVERGENCES[name]
+    assert fn(t, t).item() == pytest.approx(0.0, abs=1e-6)
+    assert fn(d, t).item() > 0.01
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fused_divergences_equal_the_reference_functions(logits, compile):
+    d, t = logits
+    names = tuple(sorted(losses.DIVERGENCES))
+    fused = losses.divergences(d, t, 0.8, names, compile=compile)
+    for n in names:
+        torch.testing.assert_close(fused[n], losses.DIVERGENCES[n](d, t, 0.8), rtol=1e-4, atol=1e-5)
+
+
+def test_tv_is_one_minus_the_samplers_acceptance(logits):
+    d, t = logits
+    cfg = SamplingConfig(0.8)
+    acc = expected_acceptance(process_logits(d, cfg), process_logits(t, cfg)).mean()
+    assert losses.tv(d, t, 0.8).item() == pytest.approx(1 - acc.item(), abs=1e-5)
+
+
+def test_gradient_flows_to_the_draft_only(logits):
+    d, t = logits
+    d = d.clone().requires_grad_(True)
+    t = t.clone().requires_grad_(True)
+    total, parts = losses.draft_loss(d, torch.zeros(16, dtype=torch.long), t.detach(), {"tv": 1.0, "ce": 0.5},
+                                     compile=False)
+    total.backward()
+    assert d.grad is not None and d.grad.abs().sum() > 0 and t.grad is None
+    assert set(parts) == {"tv", "ce"}
+
+
+@pytest.mark.parametrize("weights,msg", [({"nope": 1.0}, "unknown"), ({"ce": 0.0}, "zero"), ({"tv": 1.0}, "distill")])
+def test_bad_loss_config_is_refused(logits, weights, msg):
+    d, _ = logits
+    with pytest.raises(ValueError, match=msg):
+        losses.draft_loss(d, torch.zeros(16, dtype=torch.long), None, weights)

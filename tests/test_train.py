@@ -1,0 +1,204 @@
+"""Draft training end to end: recipes, the smoke run, resume, distributed configs, bad input."""
+
+import csv
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from conftest import run_entry
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+
+
+def group_files():
+    for group in sorted(p for p in RECIPES.iterdir() if p.is_dir() and p.name != "prompts"):
+        for f in sorted(group.glob("*.yaml")):
+            yield group.name, f.stem
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return compose("draft", overrides=["out_dir=/tmp/unused", *overrides])
+
+
+@pytest.mark.parametrize("group,name", list(group_files()), ids=[f"{g}/{n}" for g, n in group_files()])
+def test_every_recipe_file_composes_and_instantiates(group, name):
+    cfg = compose_cfg(f"{group}={name}")
+    OmegaConf.resolve(cfg)
+    from train.models import DraftConfig
+    from train.setup import loggers
+
+    DraftConfig(**OmegaConf.to_container(cfg.draft))
+    kwargs = OmegaConf.to_container(cfg.trainer)
+    if isinstance(kwargs.get("strategy"), dict):
+        kwargs["strategy"] = instantiate(cfg.trainer.strategy)
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        ds = dict(kwargs["strategy"].config, train_micro_batch_size_per_gpu=cfg.data.batch_size,
+                  gradient_accumulation_steps=1)
+        DeepSpeedConfig(ds)  # validates stage, offload and batch keys as DeepSpeed itself would
+        assert ds["zero_optimization"]["stage"] == int(name[-1])
+    if kwargs["accelerator"] == "cpu":
+        kwargs.update(logger=loggers(OmegaConf.create({"logger": {"csv": True, "wandb": None}}), Path("/tmp")),
+                      enable_checkpointing=False)
+        L.Trainer(**kwargs)
+    if group == "recipe":
+        assert "_global_" in (RECIPES / group / f"{name}.yaml").read_text()
+
+
+def test_recipe_overrides_reach_the_config():
+    cfg = compose_cfg("recipe=shallow_wide")
+    assert cfg.draft.init == "target" and cfg.loss.weights.tv == 1.0 and cfg.target.name == "smollm2-135m"
+    assert compose_cfg("recipe=smoke").target.name == "tiny-random"
+
+
+def test_draft_is_shallow_and_wide_from_the_targets_config():
+    from transformers import LlamaConfig
+
+    from train.models import DraftConfig, draft_config_for
+
+    paper_target = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                               intermediate_size=28672, vocab_size=32000)
+    d = draft_config_for(paper_target, DraftConfig())
+    assert d.num_hidden_layers == 8 and d.hidden_size == 6144 and d.vocab_size == 32000  # the paper's 4B draft
+    smol = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=1536, vocab_size=49152)
+    d = draft_config_for(smol, DraftConfig())
+    assert d.num_hidden_layers == 3 and d.hidden_size == 432 and d.num_key_value_heads == 3
+    assert draft_config_for(smol, DraftConfig(depth_ratio=0.01)).num_hidden_layers == 2  # at least 2 layers
+    with pytest.raises(ValueError, match="heads"):
+        draft_config_for(smol, DraftConfig(hidden=500))
+    with pytest.raises(ValueError, match="width"):
+        draft_config_for(smol, DraftConfig(init="target"))
+
+
+def test_training_changes_the_draft_and_never_the_target(tmp_path):
+    """Real Lightning fit with online distillation: draft weights move, the target's stay bit-identical and
+    never enter the checkpoint."""
+    from conftest import tiny_llama
+
+    from train.models import DraftConfig, build_draft
+    from train.module import DraftModule
+
+    target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
+    draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+    before_t = {k: v.clone() for k, v in target.state_dict().items()}
+    before_d = {k: v.clone() for k, v in draft.state_dict().items()}
+    module = DraftModule(draft, target, loss={"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1},
+                                              "compile": False},
+                         optim={"lr": 1e-2, "warmup_steps": 1}, sampler={"temperature": 1.0}, max_steps=4)
+    data = DataLoader(TensorDataset(torch.randint(0, 32, (16, 12))), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, limit_val_batches=1, val_check_interval=2,
+                        check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    trainer.fit(module, data, data)
+    assert all(torch.equal(before_t[k], v) for k, v in target.state_dict().items())
+    assert any(not torch.equal(before_d[k], v) for k, v in draft.state_dict().items())
+    assert "val/alpha_analytic" in trainer.callback_metrics
+    ckpt = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)
+    assert ckpt["state_dict"] and all(k.startswith("draft.") for k in ckpt["state_dict"])
+
+
+def test_smoke_recipe_trains_selects_and_reports(smoke_run):
+    from transformers import AutoModelForCausalLM
+
+    out, res = smoke_run
+    report = json.loads((out / "report.json").read_text())
+    assert "best draft:" in res.stdout and str(out / "best_draft") in res.stdout
+    assert report["eval"]["best"]["code"]["alpha"] is not None and report["c"] > 0
+    assert report["validation_history"] and report["validation_history"][-1]["step"] == 6
+    draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
+    assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
+    assert (out / "checkpoints" / "last.ckpt").is_file()
+    rows = list(csv.DictReader((out / "csv" / "metrics.csv").open()))
+    logged = {k for r in rows for k, v in r.items() if v}
+    assert {"train/loss", "train/tv", "val/alpha", "val/alpha_analytic", "val/tokens_per_call", "train/lr",
+            "val/predicted_speedup"} <= logged
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs and runs[0].stat().st_size > 0
+
+
+def test_resume_from_last_continues_the_run(smoke_run, tmp_path):
+    out = tmp_path / "run"
+    first = run_entry("recipe=smoke", f"hydra.run.dir={out}", "trainer.max_steps=3", "logger=csv")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_entry("recipe=smoke", f"hydra.run.dir={out}", "trainer.max_steps=6", "ckpt_path=last", "logger=csv")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Restored all states" in second.stdout + second.stderr
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 6
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["recipe=nope"], "Available options in 'recipe'"),
+    (["recipe=smoke", "trainer.max_stepz=3"], "max_stepz"),
+    (["recipe=smoke", "data.source=/no/such/corpus"], "corpus not found"),
+    (["recipe=smoke", "data.max_documents=1", "data.block_size=512"], "too small"),
+    (["recipe=smoke", "draft=paper_ratio", "draft.hidden=30"], "heads"),
+    (["recipe=smoke", "+draft.extra.vocab_size=100"], "vocabulary"),
+])
+def test_bad_input_fails_with_one_clear_line_and_no_output(tmp_path, overrides, msg):
+    out = tmp_path / "run"
+    res = run_entry(*overrides, f"hydra.run.dir={out}", "logger=csv")
+    assert res.returncode != 0
+    assert msg in res.stderr, res.stderr[-2000:]
+    assert not (out / "checkpoints").exists() and not (out / "best_draft").exists()
+
+
+def test_unwritable_output_dir_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run_entry("recipe=smoke", f"hydra.run.dir={tmp_path}/run", f"out_dir={blocker}/sub", "logger=csv")
+    assert res.returncode == 2 and "not writable" in res.stderr
+
+
+def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
+    from sampling.models import load_tokenizer
+    from train.corpus import load_blocks
+
+    tok = load_tokenizer("tiny-random")
+    texts = [f"def f{i}(x):\n    return x * {i}\n" * 20 for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    import datasets
+
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "b.parquet"))
+    (tmp_path / "txt").mkdir()
+    for i, t in enumerate(texts):
+        (tmp_path / "txt" / f"{i}.txt").write_text(t)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    sizes = set()
+    for src in ["a.jsonl", "b.parquet", "txt", "saved"]:
+        b = load_blocks(str(tmp_path / src), tok, 32, val_fraction=0.1)
+        assert b["train"].shape[1] == 32 and len(b["val"]) >= 2
+        assert int(b["train"].max()) < len(tok)
+        sizes.add(len(b["train"]) + len(b["val"]))
+    assert len(sizes) <= 2  # same documents, same token count (up to the split's block rounding)
+
+
+def test_generated_corpus_is_resumable(tmp_path):
+    from sampling.models import load_model, load_tokenizer
+    from train.corpus import generate_corpus
+
+    tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
+    path = tmp_path / "gen.jsonl"
+    generate_corpus(target, tok, ["def a():", "import os"], path, max_new_tokens=8, batch_size=1, progress=False)
+    first = path.read_text().splitlines()
+    generate_corpus(target, tok, ["def a():", "import os", "class B:"], path, max_new_tokens=8, batch_size=1,
+                    progress=False)
+    lines = path.read_text().splitlines()
+    assert lines[:2] == first and len(lines) == 3 and json.loads(lines[2])["text"].startswith("class B:")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_end_to_end(tmp_path):
+    res = run_entry("recipe=smoke", "trainer=ddp", f"hydra.run.dir={tmp_path}/run", "logger=csv")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "distributed_backend=gloo" in res.stdout + res.stderr
+    assert (tmp_path / "run" / "report.json").is_file()

@@ -1,0 +1,257 @@
+"""Export a trained draft and its target as a bundle that transformers, vLLM and our sampler load as is.
+
+The command is `scripts/export.py` (this module's `main`):
+    python scripts/export.py outputs/2026-11-29/19-59-20 --out bundles/smollm2-draft
+    python scripts/export.py outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
+
+Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md} and the
+`speculators_config` block in draft/config.json. The recommended K maximises the predicted speed-up from the
+measured alpha and the c and v(K) measured on this machine. Atomic: the bundle is assembled in a temporary
+directory, loaded back and checked (our sampler's alpha with the same seed must equal the recorded one), and
+only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from sampling.cost import best_k, measure_costs, predicted_speedup
+from sampling.models import ModelNotFound, load_model, load_tokenizer, resolve
+from train.evaluate import acceptance, load_prompts
+from train.report import draft_from_checkpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class ExportError(ValueError):
+    pass
+
+
+def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
+    """-> (draft dir or ckpt, target name, sampler settings of the run)."""
+    if src.suffix == ".ckpt":
+        run_dir = src.parent.parent
+    elif (src / "config.json").is_file():
+        run_dir = None
+    elif (src / "best_draft").is_dir():
+        run_dir, src = src, src / "best_draft"
+    else:
+        raise ExportError(f"{src} is not a run directory (with best_draft/), a .ckpt, or a draft checkpoint")
+    sampler = {"k": 4, "temperature": 0.8, "top_p": 0.95, "top_k": 0}
+    target = target_arg
+    hydra_cfg = run_dir / ".hydra" / "config.yaml" if run_dir else None
+    if hydra_cfg and hydra_cfg.is_file():
+        cfg = yaml.safe_load(hydra_cfg.read_text())
+        target = target or cfg["target"]["name"]
+        sampler.update({k: cfg["sampler"][k] for k in sampler})
+    if not target:
+        raise ExportError("cannot tell the target: pass --target (the run's .hydra/config.yaml is missing)")
+    return src, target, sampler
+
+
+def check_pair(target_tok, draft_tok, target, draft) -> None:
+    problems = []
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        problems.append("vocabularies differ")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(target_tok, attr, None) != getattr(draft_tok, attr, None):
+            problems.append(f"{attr} {getattr(draft_tok, attr, None)} != {getattr(target_tok, attr, None)}")
+    if getattr(target_tok, "chat_template", None) != getattr(draft_tok, "chat_template", None):
+        problems.append("chat templates differ")
+    tv, dv = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    if tv != dv or target.config.vocab_size != draft.config.vocab_size:
+        problems.append(f"vocab sizes {dv} (draft) != {tv} (target)")
+    if problems:
+        raise ExportError("draft and target do not form a pair: " + "; ".join(problems))
+
+
+def files_sha256(folder: Path, names) -> str:
+    h = hashlib.sha256()
+    for n in names:
+        if (folder / n).is_file():
+            h.update(n.encode())
+            h.update((folder / n).read_bytes())
+    return h.hexdigest()
+
+
+def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
+    out = {}
+    for ps in prompt_sets:
+        prompts = [r["prompt"] for r in load_prompts(ps, n_prompts)]
+        out[ps] = acceptance(target, draft, tok, prompts, k=sampler["k"], temperature=sampler["temperature"],
+                             top_p=sampler["top_p"], top_k=sampler["top_k"], max_new_tokens=max_new_tokens, seed=seed)
+    return out
+
+
+def model_card(name: str, target_ref: str, spec: dict) -> str:
+    k = spec["recommended_k"]
+    rows = "\n".join(f"| {d} | {r['alpha']:.3f} | {r['alpha_analytic']:.3f} | {r['tokens_per_call']:.2f} |"
+                     for d, r in spec["acceptance"].items())
+    s = spec["sampling"]
+    return f"""# {name}: a draft model for speculative sampling with `{target_ref}`
+
+Trained with draftsmith. The draft shares the target's tokenizer and vocabulary; the pair is verified to match
+(vocabulary, special tokens, chat template) at export time.
+
+## Acceptance card
+Measured with draftsmith's exact speculative sampler (Chen et al. 2023), K={spec['measured_k']},
+temperature {s['temperature']}, top-p {s['top_p']}, {spec['max_new_tokens']} new tokens per prompt, seed {spec['seed']}.
+
+| prompts | alpha | alpha_analytic | tokens per target call |
+| --- | --- | --- | --- |
+{rows}
+
+Draft cost c = {spec['c']:.3f} of a target step, measured on the exporting machine; recommended K = {k}
+(predicted speed-up {spec['predicted_speedup'][str(k)]:.2f}x there). Acceptance holds only at the sampling
+settings above: other temperatures give other rates.
+
+## Use
+transformers (assisted generation; `draft/generation_config.json` fixes K={k}, constant):
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("{target_ref}")
+target = AutoModelForCausalLM.from_pretrained("{target_ref}")
+draft = AutoModelForCausalLM.from_pretrained("BUNDLE/draft")
+out = target.generate(**tok("def f(x):", return_tensors="pt"), assistant_model=draft, do_sample=True,
+                      temperature={s['temperature']}, top_p={s['top_p']}, max_new_tokens=128)
+```
+vLLM (see `vllm_speculative_config.json`; vLLM drafts greedily unless configured for probabilistic rejection,
+so its acceptance differs from the card):
+```bash
+vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_config.json)"
+```
+draftsmith's sampler:
+```bash
+python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
+    --top-p {s['top_p']} --prompt "def f(x):"
+```
+"""
+
+
+def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
+           max_new_tokens=64, seed=0, dtype="bf16", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
+    src, target_name, sampler = locate(src, target_arg)
+    target_dir = resolve(target_name)
+    target, target_tok = load_model(target_name, dtype), load_tokenizer(target_name)
+    if src.suffix == ".ckpt":
+        arch = src.parent.parent / "best_draft"
+        if not (arch / "config.json").is_file():
+            raise ExportError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
+        draft = draft_from_checkpoint(load_model(str(arch), "fp32"), str(src)).to(target.dtype)
+        draft_tok = load_tokenizer(str(arch))
+    else:
+        draft, draft_tok = load_model(str(src), dtype), load_tokenizer(str(src))
+    check_pair(target_tok, draft_tok, target, draft)
+
+    print("measuring acceptance and costs...", file=sys.stderr)
+    with torch.inference_mode():
+        acc = measure_pair(target, draft, target_tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed)
+        cost = measure_costs(target, draft, ks=ks)
+    alpha = sum(r["alpha"] * r["prompts"] for r in acc.values()) / sum(r["prompts"] for r in acc.values())
+    k_rec, _ = best_k(alpha, cost["c"], cost["v"])
+    spec = {
+        "format": "draftsmith-speculative/1",
+        "sampler_mode": "speculative_sampling (Chen et al. 2023, Algorithm 2): exact, draft sampled from p",
+        "recommended_k": k_rec,
+        "measured_k": sampler["k"],
+        "sampling": {"temperature": sampler["temperature"], "top_p": sampler["top_p"], "top_k": sampler["top_k"]},
+        "acceptance": acc,
+        "alpha": alpha,
+        "c": cost["c"], "v": {str(k): v for k, v in cost["v"].items()},
+        "predicted_speedup": {str(k): predicted_speedup(alpha, k, cost["c"], v) for k, v in cost["v"].items()},
+        "max_new_tokens": max_new_tokens, "seed": seed, "prompt_sets": list(prompt_sets), "n_prompts": n_prompts,
+        "dtype": dtype,
+    }
+
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        ddir = tmp / "draft"
+        draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+        draft.save_pretrained(ddir, safe_serialization=True)
+        draft_tok.save_pretrained(ddir)
+        target_ref = target_name
+        if copy_target:
+            shutil.copytree(target_dir, tmp / "target")
+            target_ref = "BUNDLE/target"
+        ref = {"name": target_name, "path": str(target_dir) if not copy_target else "target",
+               "config_sha256": files_sha256(target_dir, ["config.json"]),
+               "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
+               "architectures": target.config.architectures}
+        (tmp / "target.json").write_text(json.dumps(ref, indent=2))
+        cfg = json.loads((ddir / "config.json").read_text())
+        cfg["speculators_config"] = {
+            "algorithm": "independent",
+            "proposal_methods": [{"proposal_type": "sample", "speculative_tokens": k_rec}],
+            "default_proposal_method": "sample",
+            "verifier": {"name_or_path": target_name, "architectures": target.config.architectures},
+        }
+        (ddir / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "vllm_speculative_config.json").write_text(json.dumps(
+            {"method": "draft_model", "model": str(out / "draft"), "num_speculative_tokens": k_rec}, indent=2))
+        (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
+        (tmp / "README.md").write_text(model_card(out.name, target_ref, spec))
+        reload_check(tmp, target, target_tok, spec, sampler)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:
+    """Load the bundle back as a user would; our sampler must reproduce the recorded acceptance exactly."""
+    draft = load_model(str(bundle / "draft"), spec["dtype"])
+    check_pair(target_tok, load_tokenizer(str(bundle / "draft")), target, draft)
+    with torch.inference_mode():
+        again = measure_pair(target, draft, target_tok, sampler, spec["prompt_sets"], spec["n_prompts"],
+                             spec["max_new_tokens"], spec["seed"])
+    for ps, r in again.items():
+        if r["alpha"] != spec["acceptance"][ps]["alpha"]:
+            raise ExportError(f"reloaded draft gives alpha {r['alpha']} on {ps}, the export recorded "
+                              f"{spec['acceptance'][ps]['alpha']}: the saved draft is not the measured one")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", type=Path, help="run directory (best draft), a .ckpt of a run, or a draft checkpoint dir")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--target", help="target name/path (default: the run's)")
+    ap.add_argument("--copy-target", action="store_true", help="copy the target into the bundle")
+    ap.add_argument("--prompt-sets", nargs="+", default=["code", "english"])
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    args = ap.parse_args(argv)
+    try:
+        out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
+                     prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
+                     dtype=args.dtype)
+    except (ExportError, ModelNotFound, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = json.loads((out / "speculative.json").read_text())
+    print(f"bundle: {out}")
+    for ps, r in spec["acceptance"].items():
+        print(f"  {ps:<10} alpha {r['alpha']:.3f}  tokens/call {r['tokens_per_call']:.2f}")
+    print(f"  c {spec['c']:.3f}  recommended K {spec['recommended_k']} "
+          f"(predicted {spec['predicted_speedup'][str(spec['recommended_k'])]:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
