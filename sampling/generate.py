@@ -28,11 +28,27 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="prune the draft head to its corpus' N most frequent tokens (exact; needs the draft dir's "
+                         "token_counts.safetensors, written by train/draft.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)
+
+
+def _pruned(draft, draft_dir, n, eos):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from sampling.pruned import PrunedHeadDraft, top_tokens
+
+    counts = Path(draft_dir) / "token_counts.safetensors"
+    if not counts.is_file():
+        raise ValueError(f"--draft-vocab needs {counts} (token frequencies of the draft's corpus)")
+    return PrunedHeadDraft(draft, top_tokens(load_file(counts)["counts"], n, [eos]))
 
 
 def main(argv=None) -> int:
@@ -51,6 +67,8 @@ def main(argv=None) -> int:
         if args.draft:
             check_same_tokenizer(tok, load_tokenizer(args.draft))
             draft = load_model(args.draft, args.dtype)
+            if args.draft_vocab:
+                draft = _pruned(draft, args.draft, args.draft_vocab, tok.eos_token_id)
         text = args.prompt
         if args.chat:
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

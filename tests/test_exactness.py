@@ -202,3 +202,23 @@ def test_autoregressive_generate_passes_chi_square(pair):
         lambda ids: autoregressive_generate(target, ids, max_new_tokens=budget, temperature=0.9, top_p=0.95,
                                             generator=g), 50_000, budget, prompt)
     assert pvalue(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pruned_draft_head_stays_exact(pair, k):
+    """A draft restricted to a token subset (p = 0 elsewhere) is still corrected to the exact target."""
+    from sampling.pruned import PrunedHeadDraft
+
+    target, draft = pair
+    pruned = PrunedHeadDraft(draft, torch.tensor([0, 1, 3]))
+    cfg = SamplingConfig(0.9, 0, 0.95)
+    q, p = Dist(target, cfg), Dist(pruned, cfg)
+    assert p([1, 3])[2] == 0 and p([1, 3])[4] == 0
+    prompt, budget = [1, 3], 4
+    assert tv(speculative_sequences(p, q, prompt, budget, k, 0), target_sequences(q, prompt, budget, 0)) < 1e-6
+    g = torch.Generator().manual_seed(99)
+    counts, stats = sample_counts(
+        lambda ids: speculative_generate(target, pruned, ids, max_new_tokens=3, k=k, temperature=0.9, top_p=0.95,
+                                         generator=g), 50_000, 3, prompt)
+    assert 0 < stats.alpha < 1
+    assert pvalue(counts, target_sequences(q, prompt, 3, None)) > 1e-3

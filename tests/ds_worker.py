@@ -1,0 +1,38 @@
+"""Run by tests/test_deepspeed.py under torchrun: the real DeepSpeed ZeRO engine on CPU (gloo) with the config
+our `trainer=deepspeed_stage_N` recipe produces. Lightning refuses DeepSpeed without CUDA; the engine does not."""
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from transformers import LlamaConfig, LlamaForCausalLM
+
+stage, out = int(sys.argv[1]), Path(sys.argv[2])
+recipes = Path(__file__).resolve().parent.parent / "recipes"
+with initialize_config_dir(config_dir=str(recipes), version_base="1.3"):
+    cfg = compose("draft", overrides=["out_dir=/tmp/unused", f"trainer=deepspeed_stage_{stage}"])
+ds_config = dict(instantiate(cfg.trainer.strategy).config)
+ds_config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+ds_config.pop("fp16", None)
+ds_config.pop("bf16", None)  # CPU engine: fp32
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, intermediate_size=64))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(engine.global_rank))
+losses = []
+for _ in range(4):
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+engine.save_checkpoint(str(out / "ckpt"))
+if engine.global_rank == 0:
+    (out / "result.json").write_text(json.dumps({"losses": losses, "optimizer": type(engine.optimizer).__name__,
+                                                 "world_size": engine.world_size, "stage": engine.zero_optimization_stage()}))

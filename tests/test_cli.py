@@ -1,0 +1,63 @@
+"""`python -m sampling.generate`: text and stats out, one-line errors and exit code 2 for bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "sampling.generate", "--target", "tiny-random", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_generate_prints_text_and_stats(smoke_run):
+    out, _ = smoke_run
+    res = cli("--draft", str(out / "best_draft"), "--prompt", "def f(x):", "--max-new-tokens", "12", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(res.stdout)
+    s = d["stats"]
+    assert s["new_tokens"] <= 12 and 1 <= s["tokens_per_call"] <= 5 and 0 <= s["alpha"] <= 1
+    assert len(s["acceptance_by_position"]) == 4 and d["completion"] is not None
+    plain = cli("--draft", str(out / "best_draft"), "--prompt", "def f(x):", "--max-new-tokens", "12")
+    assert "alpha" in plain.stdout and "tokens_per_call" in plain.stdout and plain.stdout.startswith("def f(x):")
+
+
+def test_pruned_draft_vocab_from_the_cli(smoke_run):
+    out, _ = smoke_run
+    res = cli("--draft", str(out / "best_draft"), "--prompt", "import os", "--max-new-tokens", "8", "--draft-vocab",
+              "64", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["stats"]["new_tokens"] == 8
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["-k", "0"], "-k"), (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-3"], "top_k"), (["--prompt", ""], "empty"), (["--max-new-tokens", "100000"], "context"),
+    (["--draft", "/no/such/draft"], "model not found"),
+])
+def test_bad_input_gives_one_line_and_exit_2(smoke_run, args, msg):
+    out, _ = smoke_run
+    base = {"--draft": str(out / "best_draft"), "--prompt": "x"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    res = cli(*[a for kv in base.items() for a in kv])
+    assert res.returncode == 2 and msg in res.stderr
+    assert len([ln for ln in res.stderr.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_draft_with_another_tokenizer_is_refused(smoke_run, tmp_path):
+    out, _ = smoke_run
+    other = tmp_path / "draft"
+    shutil.copytree(out / "best_draft", other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[200:202]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    res = cli("--draft", str(other), "--prompt", "x")
+    assert res.returncode == 2 and "tokenizers differ" in res.stderr

@@ -1,0 +1,28 @@
+"""DeepSpeed ZeRO-2/3 engines on CPU with our recipes' configs, 2 gloo processes (the first run JIT-compiles
+DeepSpeed's shm_comm op, about a minute on 2 cores)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_engine_runs_on_cpu_with_our_config(tmp_path, stage):
+    worker = Path(__file__).resolve().parent / "ds_worker.py"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(29500 + stage), str(worker), str(stage), str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "result.json").read_text())
+    assert out["world_size"] == 2 and out["stage"] == stage
+    assert out["optimizer"] == ("DeepSpeedZeroOptimizer" if stage == 2 else "DeepSpeedZeroOptimizer_Stage3")
+    assert out["losses"][-1] < out["losses"][0]
+    assert list((tmp_path / "ckpt").rglob("*optim_states.pt"))
