@@ -112,7 +112,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     eos = tokenizer.eos_token_id
     out = {}
     for name, texts in splits.items():
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         flat = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
         n = len(flat) // block_size
         out[name] = flat[: n * block_size].view(n, block_size)
