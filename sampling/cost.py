@@ -13,35 +13,49 @@ import torch
 from transformers import DynamicCache
 
 
-def _step_ms(model, context: torch.Tensor, new_tokens: int, reps: int) -> float:
-    """Median ms of a forward over `new_tokens` tokens after a cached `context`, cropping back each time."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-    L = context.shape[1]
-    block = context[:, :new_tokens]
-    pos = torch.arange(L, L + new_tokens)[None]
-    times = []
-    for _ in range(reps + 2):
+class _Stepper:
+    """A model with a warm KV cache over `context`; each call times one forward over `n` new tokens, then crops."""
+
+    def __init__(self, model, context: torch.Tensor):
+        self.model, self.context = model, context
+        self.cache = DynamicCache(config=model.config)
+        model(input_ids=context, cache=self.cache, use_cache=True, logits_to_keep=1)
+
+    def __call__(self, n: int) -> float:
+        L = self.context.shape[1]
         t = time.perf_counter()
-        model(input_ids=block, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=new_tokens)
-        times.append(time.perf_counter() - t)
-        cache.crop(-new_tokens)
-    return 1e3 * statistics.median(times[2:])
+        self.model(input_ids=self.context[:, :n], position_ids=torch.arange(L, L + n)[None], cache=self.cache,
+                   use_cache=True, logits_to_keep=n)
+        dt = time.perf_counter() - t
+        self.cache.crop(-n)
+        return dt
 
 
 @torch.inference_mode()
 def measure_costs(target, draft, ks=(1, 2, 3, 4, 5, 6, 7, 8), context_len: int = 200, reps: int = 15,
                   seed: int = 0) -> dict:
-    """{'c', 'target_ms', 'draft_ms', 'v': {K: v(K)}} measured interleaved, medians of `reps` calls."""
+    """{'c', 'target_ms', 'draft_ms', 'v': {K: v(K)}}.
+
+    Each repetition times, back to back, a 1-token target step, a 1-token draft step and a (K+1)-token target
+    pass per K; c and v(K) are medians of the per-repetition ratios, so a burst of load on a shared machine
+    shifts numerator and denominator together instead of biasing one of them.
+    """
     g = torch.Generator().manual_seed(seed)
-    V = target.config.vocab_size
-    context = torch.randint(0, V, (1, context_len), generator=g)
-    target_ms = _step_ms(target, context, 1, reps)
-    draft_ms = _step_ms(draft, context, 1, reps)
-    target_ms = min(target_ms, _step_ms(target, context, 1, reps))  # re-measure: the first pays warm-up
-    v = {int(k): _step_ms(target, context, k + 1, reps) / target_ms for k in ks}
-    return {"c": draft_ms / target_ms, "target_ms": target_ms, "draft_ms": draft_ms, "v": v,
-            "context_len": context_len}
+    context = torch.randint(0, target.config.vocab_size, (1, context_len), generator=g)
+    tgt, drf = _Stepper(target, context), _Stepper(draft, context)
+    for _ in range(2):  # warm-up
+        tgt(1), drf(1)
+    t1, d1, ratios_c, ratios_v = [], [], [], {int(k): [] for k in ks}
+    for _ in range(reps):
+        t, d = tgt(1), drf(1)
+        t1.append(t)
+        d1.append(d)
+        ratios_c.append(d / t)
+        for k in ratios_v:
+            ratios_v[k].append(tgt(k + 1) / tgt(1))
+    med = statistics.median
+    return {"c": med(ratios_c), "target_ms": 1e3 * med(t1), "draft_ms": 1e3 * med(d1),
+            "v": {k: med(r) for k, r in ratios_v.items()}, "context_len": context_len}
 
 
 def expected_tokens_per_call(alpha: float, k: int) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sampling.cost import predicted_speedup
+from sampling.cost import measure_costs, predicted_speedup
 from train.evaluate import acceptance, load_prompts
 from train.models import truncated_target
 
@@ -58,16 +58,20 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
     drafts = {"best": best, "last": last}
     if cfg.eval.baseline:
         drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)
+    # c measured again now, on the best draft in the target's dtype, with no trainer or logger starting up beside
+    # it (the measurement at fit start shares the CPU with them).
+    cost = measure_costs(target, copy.deepcopy(best).to(target.dtype), ks=(cfg.sampler.k,))
     with torch.inference_mode():
-        results = measure(target, drafts, tokenizer, cfg, acceptance_cb.cost)
+        results = measure(target, drafts, tokenizer, cfg, cost)
     report = {
         "best_draft": str(best_dir),
         "best_checkpoint": best_path,
         "monitor": cfg.checkpoint.monitor,
         "best_score": float(checkpoint_cb.best_model_score) if checkpoint_cb.best_model_score is not None else None,
         "sampler": {"k": cfg.sampler.k, "temperature": cfg.sampler.temperature, "top_p": cfg.sampler.top_p},
-        "c": acceptance_cb.cost["c"] if acceptance_cb.cost else None,
-        "cost": acceptance_cb.cost,
+        "c": cost["c"],
+        "cost": cost,
+        "cost_at_fit_start": acceptance_cb.cost,
         "validation_history": acceptance_cb.history,
         "eval": results,
         "train_tokens_per_s": tokens_per_s,
