@@ -263,7 +263,8 @@ def print_tables(result, cost, args, full_c):
         if r["alpha"] < 0.6:
             why.append(f"alpha {r['alpha']:.2f} is low (the paper's drafts: ~0.7-0.8)")
         if cost["c"] > 0.1:
-            why.append(f"c {cost['c']:.2f} is high (try --draft-vocab)")
+            why.append(f"c {cost['c']:.2f} is high (" + ("fewer draft layers" if args.draft_vocab else
+                                                        "try --draft-vocab 4096") + ")")
         if cost["v"].get(args.k, 1) > 1.2:
             why.append(f"v({args.k}) {cost['v'][args.k]:.2f}: scoring K+1 tokens is not free here")
         print(f"  {d}: measured {gap:+.0%} vs predicted; " + ("; ".join(why) if why else "no obvious limiter"))

@@ -69,7 +69,7 @@ def main():
 
     tok = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype)
-    drafts = {"cut": load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers,
+    drafts = {"draft" if args.draft else "cut": load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers,
                                                                                        args.dtype)}
     if args.self_draft:
         drafts["self"] = target

@@ -30,6 +30,7 @@ def test_bundle_layout_and_acceptance_card(bundle):
     cfg = json.loads((out / "draft" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-random"
     assert (out / "draft" / "model.safetensors").is_file() and (out / "draft" / "tokenizer.json").is_file()
+    assert (out / "draft" / "token_counts.safetensors").is_file()  # for --draft-vocab
     ref = json.loads((out / "target.json").read_text())
     assert len(ref["config_sha256"]) == 64 and len(ref["tokenizer_sha256"]) == 64
     card = (out / "README.md").read_text()

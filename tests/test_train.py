@@ -116,7 +116,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     assert report["validation_history"] and report["validation_history"][-1]["step"] == 6
     draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
     assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
-    assert (out / "checkpoints" / "last.ckpt").is_file()
+    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "best_draft" / "token_counts.safetensors").is_file()
     rows = list(csv.DictReader((out / "csv" / "metrics.csv").open()))
     logged = {k for r in rows for k, v in r.items() if v}
     assert {"train/loss", "train/tv", "val/alpha", "val/alpha_analytic", "val/tokens_per_call", "train/lr",

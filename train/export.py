@@ -182,6 +182,9 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                                        assistant_confidence_threshold=0.0)
         draft.save_pretrained(ddir, safe_serialization=True)
         draft_tok.save_pretrained(ddir)
+        counts = (src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src) / "token_counts.safetensors"
+        if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
+            shutil.copy(counts, ddir / counts.name)
         target_ref = target_name
         if copy_target:
             shutil.copytree(target_dir, tmp / "target")
