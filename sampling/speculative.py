@@ -38,8 +38,8 @@ class _Decoder:
         self.cache = DynamicCache(config=model.config)
         self.valid: torch.Tensor | None = None  # (B, S) bool
 
-    def __call__(self, tokens, positions, valid, logits_to_keep: int) -> torch.Tensor:
-        """tokens, positions, valid: (B, T). Returns logits (B, logits_to_keep, V)."""
+    def __call__(self, tokens, positions, valid, logits_to_keep: int):
+        """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V))."""
         mask = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
         out = self.model(
             input_ids=tokens,
@@ -50,7 +50,7 @@ class _Decoder:
             logits_to_keep=logits_to_keep,
         )
         self.valid = mask
-        return out.logits
+        return out
 
     def settle(self, new_valid: torch.Tensor) -> None:
         """Set the validity of the newest slots (B, n), then crop trailing slots that no row uses."""
@@ -132,6 +132,15 @@ def _vocab_size(model) -> int:
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
+def _last_probs(out, cfg: SamplingConfig) -> torch.Tensor:
+    """(B, V) processed distribution at the last position; a pruned draft head is processed over its subset."""
+    ids = getattr(out, "token_ids", None)
+    if ids is None:
+        return process_logits(out.logits[:, -1], cfg)
+    small = process_logits(out.sub_logits[:, -1], cfg)  # (B, N)
+    return small.new_zeros(small.shape[0], out.vocab).index_copy_(-1, ids, small)
+
+
 def _prefill(dec: _Decoder, input_ids, attention_mask, logits_to_keep=1):
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = (valid.long().cumsum(1) - 1).clamp_min(0)
@@ -162,12 +171,12 @@ def autoregressive_generate(
     stats = GenerationStats(k=0, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, input_ids.device)
     dec = _Decoder(target)
-    logits = _prefill(dec, input_ids, attention_mask)[:, -1]
+    out = _prefill(dec, input_ids, attention_mask)
     pos = dec.valid.sum(1)  # (B,) position of the next token
     stats.prefill_s = time.perf_counter() - t0
     stats.record_loop(0)
     while True:
-        probs = process_logits(logits, cfg)
+        probs = _last_probs(out, cfg)
         tok = probs.argmax(-1) if cfg.greedy else sample(probs, generator)
         done, kept = rows.emit([[x] for x in tok.tolist()])
         stats.new_tokens += kept
@@ -180,7 +189,7 @@ def autoregressive_generate(
             rows.index, tok, pos = rows.index[live], tok[live], pos[live]
             dec.select(live)
         t = time.perf_counter()
-        logits = dec(tok[:, None], pos[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), 1)[:, -1]
+        out = dec(tok[:, None], pos[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), 1)
         stats.target_s += time.perf_counter() - t
         stats.target_calls += 1
         pos = pos + 1
@@ -251,15 +260,15 @@ def speculative_generate(
                         torch.stack([has_backlog, ones[:, 0]], 1), 1)
         else:
             first = drf(pending[:, None], pos[:, None], ones, 1)
-        logits = first[:, -1]
+        out = first
         p_list, d_list = [], []
         for i in range(K):
-            p_i = process_logits(logits, cfg)  # (Bn, V)
+            p_i = _last_probs(out, cfg)  # (Bn, V)
             d_i = p_i.argmax(-1) if cfg.greedy else sample(p_i, generator)
             p_list.append(p_i)
             d_list.append(d_i)
             if i < K - 1:
-                logits = drf(d_i[:, None], (pos + 1 + i)[:, None], ones, 1)[:, -1]
+                out = drf(d_i[:, None], (pos + 1 + i)[:, None], ones, 1)
         p = torch.stack(p_list, 1)  # (Bn, K, V)
         drafts = torch.stack(d_list, 1)  # (Bn, K)
         stats.draft_s += time.perf_counter() - t
@@ -269,7 +278,7 @@ def speculative_generate(
         t = time.perf_counter()
         block = torch.cat([pending[:, None], drafts], 1)  # (Bn, K+1)
         positions = pos[:, None] + torch.arange(K + 1, device=dev)
-        q = process_logits(tgt(block, positions, torch.ones_like(block, dtype=torch.bool), K + 1), cfg)
+        q = process_logits(tgt(block, positions, torch.ones_like(block, dtype=torch.bool), K + 1).logits, cfg)
         stats.target_s += time.perf_counter() - t
         stats.target_calls += 1
 

@@ -181,3 +181,16 @@ def test_demo_target_greedy_is_identical_to_its_own_greedy(demo_target):
         hf = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=tok.eos_token_id)
         assert spec.tokens[0].tolist() == hf[0, ids.shape[1]:].tolist()
         assert spec.stats.accepted < spec.stats.drafted
+
+
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.8, 0, 0.95), (0.7, 3, 1.0), (0.0, 0, 1.0), (1.0, 50, 0.5)])
+def test_pruned_head_processed_over_its_subset_equals_the_padded_vocabulary(setting):
+    from sampling.probs import SamplingConfig, process_logits
+    from sampling.pruned import PrunedOutput
+    from sampling.speculative import _last_probs
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(300, generator=g)[:40].sort().values
+    out = PrunedOutput(torch.randn(3, 1, 40, generator=g) * 3, ids, 300)
+    cfg = SamplingConfig(*setting)
+    torch.testing.assert_close(_last_probs(out, cfg), process_logits(out.logits[:, -1], cfg))

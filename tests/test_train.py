@@ -202,3 +202,12 @@ def test_ddp_two_processes_end_to_end(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "distributed_backend=gloo" in res.stdout + res.stderr
     assert (tmp_path / "run" / "report.json").is_file()
+
+
+def test_smoke_run_on_a_target_generated_corpus(tmp_path):
+    """data=generated: the target samples continuations of corpus openings, the draft trains on them."""
+    out = tmp_path / "run"
+    res = run_entry("recipe=smoke", "data=generated", "data.generated.n_prompts=40", "data.generated.max_new_tokens=48",
+                    f"hydra.run.dir={out}", "logger=csv")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "report.json").is_file()

@@ -90,7 +90,9 @@ def _generated_corpus(cfg, target, tok, out_dir):
                        cfg.data.text_field, cfg.data.max_documents)["train"]
     idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
     prompts = [tok.decode(b[: cfg.sampler.prompt_tokens], skip_special_tokens=True) for b in base[idx]]
-    path = cache_home() / "generated" / f"{cfg.target.name.replace('/', '_')}-T{cfg.sampler.temperature}.jsonl"
+    s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable)
+    name = f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
+    path = cache_home() / "generated" / f"{name}.jsonl"
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=cfg.sampler.temperature,
                            top_p=cfg.sampler.top_p, seed=cfg.seed)
