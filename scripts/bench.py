@@ -1,7 +1,7 @@
 """The paper's Table 1 and Figure 1 for any draft+target pair on this machine, with the speed-up model beside them.
 
     python scripts/bench.py --target smollm2-135m --draft outputs/.../best_draft
-    python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts recipes/prompts/code.jsonl --n-prompts 4 --out bench/
+    python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
 
 Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
 ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", required=True, help="draft checkpoint dir (e.g. a run's best_draft)")
-    ap.add_argument("--prompts", nargs="+", default=[str(PROMPTS_DIR / "code.jsonl"), str(PROMPTS_DIR / "english.jsonl")],
+    ap.add_argument("--prompts", nargs="+",
+                    default=[str(PROMPTS_DIR / "code.jsonl"), str(PROMPTS_DIR / "english.jsonl")],
                     help="JSONL files with a `prompt` field (optional `domain`)")
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -239,10 +240,12 @@ def print_tables(result, cost, args, full_c):
           f"{'tok/call':>9}{'same-dist p':>12}{'vs HF gen':>10}{'vs HF asst':>11}")
     for d, r in result["table1"].items():
         a, s = r["ars_ms_per_token"], r["sps_ms_per_token"]
-        print(f"{d:<9}{a['mean']:>7.1f}±{a['std']:<4.1f}{s['mean']:>7.1f}±{s['std']:<4.1f}{r['speedup_median']:>9.2f}x"
+        print(f"{d:<9}{a['mean']:>7.1f}±{a['std']:<4.1f}{s['mean']:>7.1f}±{s['std']:<4.1f}"
+              f"{r['speedup_median']:>9.2f}x"
               f"{r['predicted_speedup']:>9.2f}x{r['alpha']:>7.3f}{r['tokens_per_call']:>9.2f}"
               f"{r['same_distribution_ks_pvalue'] or float('nan'):>12.3f}"
-              f"{r.get('ours_ars_vs_hf_generate', float('nan')):>9.2f}x{r.get('ours_sps_vs_hf_assisted', float('nan')):>10.2f}x")
+              f"{r.get('ours_ars_vs_hf_generate', float('nan')):>9.2f}x"
+              f"{r.get('ours_sps_vs_hf_assisted', float('nan')):>10.2f}x")
     print("  per-token latency P50/P90/P99 (ms):")
     for d, r in result["table1"].items():
         for name in ("ars", "sps"):
@@ -250,7 +253,8 @@ def print_tables(result, cost, args, full_c):
             print(f"    {d:<9}{name}: {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f}")
     print(f"\nspeed-up model: c = {cost['c']:.3f} (draft {cost['draft_ms']:.1f} ms, target {cost['target_ms']:.1f} ms)"
           + (f", full-head c = {full_c:.3f}" if full_c else ""))
-    print(f"{'K':>3}{'v(K)':>7}{'alpha':>7}{'accept eff':>11}{'ms/loop':>9}{'ms/128':>9}{'predicted':>10}{'measured':>9}")
+    print(f"{'K':>3}{'v(K)':>7}{'alpha':>7}{'accept eff':>11}{'ms/loop':>9}{'ms/' + str(args.max_new_tokens):>9}"
+          f"{'predicted':>10}{'measured':>9}")
     for k, r in result["figure1"].items():
         v = cost["v"].get(k, 1.0)
         al = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"

@@ -69,8 +69,8 @@ def main():
 
     tok = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype)
-    drafts = {"draft" if args.draft else "cut": load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers,
-                                                                                       args.dtype)}
+    first = load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers, args.dtype)
+    drafts = {"draft" if args.draft else "cut": first}
     if args.self_draft:
         drafts["self"] = target
     for d in drafts.values():

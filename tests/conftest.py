@@ -57,3 +57,17 @@ def smoke_run(tmp_path_factory):
     res = run_entry("recipe=smoke", f"hydra.run.dir={out}")
     assert res.returncode == 0, res.stderr[-3000:]
     return out, res
+
+
+def copy_with_swapped_tokens(src, dst):
+    """A copy of a checkpoint dir whose tokenizer swaps two token ids: same size, a different tokenizer."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[200:202]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst

@@ -34,5 +34,6 @@ for _ in range(4):
     losses.append(loss.item())
 engine.save_checkpoint(str(out / "ckpt"))
 if engine.global_rank == 0:
-    (out / "result.json").write_text(json.dumps({"losses": losses, "optimizer": type(engine.optimizer).__name__,
-                                                 "world_size": engine.world_size, "stage": engine.zero_optimization_stage()}))
+    result = {"losses": losses, "optimizer": type(engine.optimizer).__name__, "world_size": engine.world_size,
+              "stage": engine.zero_optimization_stage()}
+    (out / "result.json").write_text(json.dumps(result))

@@ -2,11 +2,11 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+from conftest import copy_with_swapped_tokens
 
 
 def cli(*args):
@@ -52,12 +52,6 @@ def test_bad_input_gives_one_line_and_exit_2(smoke_run, args, msg):
 
 def test_draft_with_another_tokenizer_is_refused(smoke_run, tmp_path):
     out, _ = smoke_run
-    other = tmp_path / "draft"
-    shutil.copytree(out / "best_draft", other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[200:202]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    other = copy_with_swapped_tokens(out / "best_draft", tmp_path / "draft")
     res = cli("--draft", str(other), "--prompt", "x")
     assert res.returncode == 2 and "tokenizers differ" in res.stderr

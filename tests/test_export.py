@@ -1,10 +1,10 @@
 """Export of a draft+target bundle from a smoke run: reload, assisted generation, our sampler, refusals."""
 
 import json
-import shutil
 
 import pytest
 import torch
+from conftest import copy_with_swapped_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sampling import speculative_generate
@@ -28,7 +28,9 @@ def test_bundle_layout_and_acceptance_card(bundle):
     vllm = json.loads((out / "vllm_speculative_config.json").read_text())
     assert vllm["method"] == "draft_model" and vllm["num_speculative_tokens"] == spec["recommended_k"]
     cfg = json.loads((out / "draft" / "config.json").read_text())
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "tiny-random"
+    from sampling.models import resolve
+
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(resolve("tiny-random"))
     assert (out / "draft" / "model.safetensors").is_file() and (out / "draft" / "tokenizer.json").is_file()
     assert (out / "draft" / "token_counts.safetensors").is_file()  # for --draft-vocab
     ref = json.loads((out / "target.json").read_text())
@@ -60,13 +62,7 @@ def test_export_refuses_a_mismatched_pair(bundle, tmp_path):
     from train.export import ExportError, export
 
     _, out = bundle
-    broken = tmp_path / "draft"
-    shutil.copytree(out / "draft", broken)
-    tok = json.loads((broken / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: same size, different tokenizer
-    (broken / "tokenizer.json").write_text(json.dumps(tok))
+    broken = copy_with_swapped_tokens(out / "draft", tmp_path / "draft")
     with pytest.raises(ExportError, match="vocabularies differ"):
         export(broken, tmp_path / "never", target_arg="tiny-random", n_prompts=1, max_new_tokens=4, ks=(1,))
     assert not (tmp_path / "never").exists()

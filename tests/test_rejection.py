@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import chi2_pvalue
+
 from sampling.rejection import acceptance_probability, expected_acceptance, residual, verify
 
 
@@ -49,7 +49,6 @@ def test_verify_first_token_is_distributed_as_q():
 
 def test_verify_accepts_prefix_only():
     """The accepted count is the length of the leading run: a rejection stops the block."""
-    V = 3
     p = torch.tensor([[[1.0, 0, 0], [0, 1.0, 0], [1.0, 0, 0]]])  # drafts 0, 1, 0
     q = torch.tensor([[[1.0, 0, 0], [0, 0, 1.0], [1.0, 0, 0], [0, 1.0, 0]]])  # rejects position 1
     n, nxt = verify(p, q, torch.tensor([[0, 1, 0]]))

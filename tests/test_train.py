@@ -7,10 +7,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import run_entry
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from conftest import run_entry
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,8 +91,8 @@ def test_training_changes_the_draft_and_never_the_target(tmp_path):
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
     before_t = {k: v.clone() for k, v in target.state_dict().items()}
     before_d = {k: v.clone() for k, v in draft.state_dict().items()}
-    module = DraftModule(draft, target, loss={"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1},
-                                              "compile": False},
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
+    module = DraftModule(draft, target, loss=loss,
                          optim={"lr": 1e-2, "warmup_steps": 1}, sampler={"temperature": 1.0}, max_steps=4)
     data = DataLoader(TensorDataset(torch.randint(0, 32, (16, 12))), batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,

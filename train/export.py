@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.models import ModelNotFound, load_model, load_tokenizer, resolve
+from sampling.models import ALIASES, ModelNotFound, load_model, load_tokenizer, resolve
 from train.evaluate import acceptance, load_prompts
 from train.report import draft_from_checkpoint
 
@@ -93,7 +93,7 @@ def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_to
     return out
 
 
-def model_card(name: str, target_ref: str, spec: dict) -> str:
+def model_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:
     k = spec["recommended_k"]
     rows = "\n".join(f"| {d} | {r['alpha']:.3f} | {r['alpha_analytic']:.3f} | {r['tokens_per_call']:.2f} |"
                      for d, r in spec["acceptance"].items())
@@ -101,7 +101,8 @@ def model_card(name: str, target_ref: str, spec: dict) -> str:
     return f"""# {name}: a draft model for speculative sampling with `{target_ref}`
 
 Trained with draftsmith. The draft shares the target's tokenizer and vocabulary; the pair is verified to match
-(vocabulary, special tokens, chat template) at export time.
+(vocabulary, special tokens, chat template) at export time.{f" The target is `{hub_id}` on the Hugging Face hub;"
+ " the commands below use the local copy the draft was measured against." if hub_id else ""}
 
 ## Acceptance card
 Measured with draftsmith's exact speculative sampler (Chen et al. 2023), K={spec['measured_k']},
@@ -185,27 +186,29 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         counts = (src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src) / "token_counts.safetensors"
         if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
             shutil.copy(counts, ddir / counts.name)
-        target_ref = target_name
+        # Engines need a path or a hub id, not our alias: the local checkpoint (or the bundle's copy).
+        target_ref = str(target_dir)
+        hub_id = getattr(ALIASES.get(target_name), "hub_id", None)
         if copy_target:
             shutil.copytree(target_dir, tmp / "target")
             target_ref = "BUNDLE/target"
         ref = {"name": target_name, "path": str(target_dir) if not copy_target else "target",
                "config_sha256": files_sha256(target_dir, ["config.json"]),
                "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
-               "architectures": target.config.architectures}
+               "architectures": target.config.architectures, "hub_id": hub_id}
         (tmp / "target.json").write_text(json.dumps(ref, indent=2))
         cfg = json.loads((ddir / "config.json").read_text())
         cfg["speculators_config"] = {
             "algorithm": "independent",
             "proposal_methods": [{"proposal_type": "sample", "speculative_tokens": k_rec}],
             "default_proposal_method": "sample",
-            "verifier": {"name_or_path": target_name, "architectures": target.config.architectures},
+            "verifier": {"name_or_path": hub_id or target_ref, "architectures": target.config.architectures},
         }
         (ddir / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "vllm_speculative_config.json").write_text(json.dumps(
             {"method": "draft_model", "model": str(out / "draft"), "num_speculative_tokens": k_rec}, indent=2))
         (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
-        (tmp / "README.md").write_text(model_card(out.name, target_ref, spec))
+        (tmp / "README.md").write_text(model_card(out.name, target_ref, spec, hub_id))
         reload_check(tmp, target, target_tok, spec, sampler)
         if out.exists():
             shutil.rmtree(out)
