@@ -29,7 +29,7 @@ from sampling import autoregressive_generate, speculative_generate
 from sampling.cost import best_k, measure_costs, predicted_speedup
 from sampling.models import ModelNotFound, load_model, load_tokenizer
 from sampling.pruned import PrunedHeadDraft, top_tokens
-from train.evaluate import PROMPTS_DIR, load_prompts
+from train.evaluate import load_prompts
 
 DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
 
@@ -64,9 +64,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", required=True, help="draft checkpoint dir (e.g. a run's best_draft)")
-    ap.add_argument("--prompts", nargs="+",
-                    default=[str(PROMPTS_DIR / "code.jsonl"), str(PROMPTS_DIR / "english.jsonl")],
-                    help="JSONL files with a `prompt` field (optional `domain`)")
+    ap.add_argument("--prompts", nargs="+", default=["code", "english"],
+                    help="shipped prompt sets (code, english) or JSONL files with a `prompt` field (optional `domain`)")
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="K of Table 1")
