@@ -49,15 +49,16 @@ def verify(
         next_token: (B,) the token emitted after them: drawn from norm((q - p)+) at the first rejected
             position, or from q at position K (the bonus token) when all K were accepted.
     """
-    B, K, V = p.shape
+    B, K, _ = p.shape
     p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     u = torch.rand(B, K, generator=generator, dtype=p.dtype, device=p.device)
     accepted = u * p_x < q_x  # u < q/p without dividing; accepts with probability min(1, q/p)
     n_accepted = accepted.to(torch.long).cumprod(-1).sum(-1)  # (B,) length of the leading run
-    # A zero row at position K makes the bonus token the same formula: residual(0, q_K) = q_K.
-    p_pad = torch.cat([p, p.new_zeros(B, 1, V)], dim=1)  # (B, K+1, V)
     rows = torch.arange(B, device=p.device)
-    next_dist = residual(p_pad[rows, n_accepted], q[rows, n_accepted])  # (B, V)
+    # After all K accepted, p at position K is taken as zero, so the bonus token is the same formula:
+    # residual(0, q_K) = q_K.
+    p_n = p[rows, n_accepted.clamp(max=K - 1)] * (n_accepted < K).unsqueeze(-1).to(p.dtype)  # (B, V)
+    next_dist = residual(p_n, q[rows, n_accepted])  # (B, V)
     next_token = sample(next_dist, generator)
     return n_accepted, next_token

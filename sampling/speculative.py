@@ -73,7 +73,7 @@ class _Rows:
 
     def __init__(self, batch: int, max_new_tokens: int, eos_token_id, device):
         self.out: list[list[int]] = [[] for _ in range(batch)]
-        self.index = torch.arange(batch, device=device)  # active row -> input row
+        self.index = torch.arange(batch, device=device)  # active row -> input row (selects cache rows)
         self.remaining = [max_new_tokens] * batch  # indexed by input row
         if eos_token_id is None:
             eos = set()
@@ -84,23 +84,20 @@ class _Rows:
         self.eos = eos
 
     def max_remaining(self) -> int:
-        return max(self.remaining[int(r)] for r in self.index)
+        return max(self.remaining[r] for r in self.index.tolist())
 
     def emit(self, new: list[list[int]]) -> tuple[torch.Tensor, int]:
         """new[i]: tokens produced for active row i. Returns (done mask over active rows, tokens kept)."""
         done, kept = [], 0
-        for i, toks in enumerate(new):
-            r = int(self.index[i])
+        for r, toks in zip(self.index.tolist(), new):
             toks = toks[: self.remaining[r]]
-            for j, t in enumerate(toks):
-                if t in self.eos:
-                    toks = toks[: j + 1]
-                    self.remaining[r] = len(toks)  # nothing may follow EOS
-                    break
+            ends = next((j for j, t in enumerate(toks) if t in self.eos), None)
+            if ends is not None:
+                toks = toks[: ends + 1]
             self.out[r].extend(toks)
-            self.remaining[r] -= len(toks)
+            self.remaining[r] = 0 if ends is not None else self.remaining[r] - len(toks)  # nothing follows EOS
             kept += len(toks)
-            done.append(self.remaining[r] <= 0)
+            done.append(self.remaining[r] == 0)
         return torch.tensor(done, device=self.index.device), kept
 
     def tensors(self, device) -> list[torch.Tensor]:
@@ -256,11 +253,10 @@ def speculative_generate(
         t = time.perf_counter()
         fed_backlog = bool(has_backlog.any())
         if fed_backlog:
-            first = drf(torch.stack([backlog, pending], 1), torch.stack([pos - 1, pos], 1),
-                        torch.stack([has_backlog, ones[:, 0]], 1), 1)
+            out = drf(torch.stack([backlog, pending], 1), torch.stack([pos - 1, pos], 1),
+                      torch.stack([has_backlog, ones[:, 0]], 1), 1)
         else:
-            first = drf(pending[:, None], pos[:, None], ones, 1)
-        out = first
+            out = drf(pending[:, None], pos[:, None], ones, 1)
         p_list, d_list = [], []
         for i in range(K):
             p_i = _last_probs(out, cfg)  # (Bn, V)
@@ -277,27 +273,24 @@ def speculative_generate(
         # 2. Score K+1 positions with the target in one pass.
         t = time.perf_counter()
         block = torch.cat([pending[:, None], drafts], 1)  # (Bn, K+1)
-        positions = pos[:, None] + torch.arange(K + 1, device=dev)
+        steps = torch.arange(K + 1, device=dev)
+        positions = pos[:, None] + steps
         q = process_logits(tgt(block, positions, torch.ones_like(block, dtype=torch.bool), K + 1).logits, cfg)
         stats.target_s += time.perf_counter() - t
         stats.target_calls += 1
 
         # 3. Accept or reject.
         n, nxt = verify(p, q, drafts, generator)  # (Bn,), (Bn,)
-        tested = torch.clamp(n + 1, max=K)  # positions that reached the acceptance test
-        j = torch.arange(K, device=dev)
-        was_tested = j[None, :] < tested[:, None]  # (Bn, K)
-        stats.drafted += int(tested.sum())
-        stats.accepted += int(n.sum())
+        n_list = n.tolist()
+        was_tested = steps[None, :K] <= n[:, None]  # (Bn, K): positions up to the first rejection were tested
         stats.alpha_analytic_sum += float((expected_acceptance(p, q[:, :K]) * was_tested).sum())
-        for i in range(K):
-            stats.record_position(i, int((n >= i).sum()), int((n > i).sum()))
-        stats.row_loops += Bn
+        for a in n_list:
+            stats.record_row(a, K)
 
         # 4. Roll both caches back to the accepted prefix: the target holds pending + n accepted drafts;
         #    the draft also holds what it was fed of them (its last draft token is never fed).
-        tgt.settle(torch.arange(K + 1, device=dev)[None, :] <= n[:, None])
-        draft_new = (torch.arange(K, device=dev)[None, :] <= n[:, None])  # pending, d_1..d_{K-1}
+        tgt.settle(steps[None, :] <= n[:, None])
+        draft_new = steps[None, :K] <= n[:, None]  # pending, d_1..d_{K-1}
         if fed_backlog:
             draft_new = torch.cat([has_backlog[:, None], draft_new], 1)
         drf.settle(draft_new)
@@ -307,7 +300,7 @@ def speculative_generate(
         pending = nxt
 
         # 5. Emit, honouring max_new_tokens and EOS per row.
-        n_list, d_rows, nxt_list = n.tolist(), drafts.tolist(), nxt.tolist()
+        d_rows, nxt_list = drafts.tolist(), nxt.tolist()
         done, kept = rows.emit([d_rows[i][: n_list[i]] + [nxt_list[i]] for i in range(Bn)])
         stats.new_tokens += kept
         stats.record_loop(kept)

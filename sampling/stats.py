@@ -48,12 +48,19 @@ class GenerationStats:
                 out += [1e3 * (self.loop_end_s[i] - self.loop_end_s[i - 1]) / n] * n
         return out
 
-    def record_position(self, i: int, tested: int, accepted: int) -> None:
-        while len(self.tested_at) <= i:
+    def record_row(self, n_accepted: int, k: int) -> None:
+        """One row's verification: its first n_accepted of k drafts accepted, the next one (if any) rejected."""
+        tested = min(n_accepted + 1, k)
+        while len(self.tested_at) < k:
             self.tested_at.append(0)
             self.accepted_at.append(0)
-        self.tested_at[i] += tested
-        self.accepted_at[i] += accepted
+        for i in range(tested):
+            self.tested_at[i] += 1
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+        self.drafted += tested
+        self.accepted += n_accepted
+        self.row_loops += 1
 
     @property
     def alpha(self) -> float | None:

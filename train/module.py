@@ -37,11 +37,11 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
 
-    def _target_logits(self, ids):
+    def _target_logits(self, inputs):
         if not self.loss_cfg.get("distill", True):
             return None
-        with torch.inference_mode():
-            return self.target(input_ids=ids).logits.clone()  # clone: leave inference mode for autograd
+        with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
+            return self.target(input_ids=inputs).logits
 
     def _weights(self) -> dict:
         w = dict(self.loss_cfg["weights"])
@@ -53,11 +53,11 @@ class DraftModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
-        logits = self.draft(input_ids=ids).logits[:, :-1]  # (B, T-1, V)
-        tlogits = self._target_logits(ids)
-        tlogits = None if tlogits is None else tlogits[:, :-1]
+        inputs, labels = ids[:, :-1], ids[:, 1:]  # causal: the last token's logits would be thrown away
+        logits = self.draft(input_ids=inputs).logits  # (B, T-1, V)
+        tlogits = self._target_logits(inputs)
         V = logits.shape[-1]
-        total, parts = draft_loss(logits.reshape(-1, V), ids[:, 1:].reshape(-1),
+        total, parts = draft_loss(logits.reshape(-1, V), labels.reshape(-1),
                                   None if tlogits is None else tlogits.reshape(-1, V), self._weights(),
                                   self.loss_cfg.get("temperature", 1.0), self.loss_cfg.get("compile", True))
         self.log("train/loss", total, prog_bar=True)
@@ -77,11 +77,11 @@ class DraftModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
-        logits = self.draft(input_ids=ids).logits[:, :-1]
-        with torch.inference_mode():
-            tlogits = self.target(input_ids=ids).logits[:, :-1]
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        logits = self.draft(input_ids=inputs).logits
+        tlogits = self.target(input_ids=inputs).logits  # validation already runs without grad
         V = logits.shape[-1]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), ids[:, 1:].reshape(-1))
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1))
         acc = []
         for lp, lq in zip(logits.reshape(-1, V).split(512), tlogits.reshape(-1, V).split(512)):
             acc.append(expected_acceptance(process_logits(lp, self.sampling), process_logits(lq, self.sampling)))
