@@ -14,6 +14,7 @@ import torch
 
 from sampling.models import DTYPES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
 from sampling.probs import SamplingConfig
+from sampling.pruned import prune_from_dir
 from sampling.speculative import autoregressive_generate, speculative_generate
 
 
@@ -39,19 +40,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _pruned(draft, draft_dir, n, eos):
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from sampling.pruned import PrunedHeadDraft, top_tokens
-
-    counts = Path(draft_dir) / "token_counts.safetensors"
-    if not counts.is_file():
-        raise ValueError(f"--draft-vocab needs {counts} (token frequencies of the draft's corpus)")
-    return PrunedHeadDraft(draft, top_tokens(load_file(counts)["counts"], n, [eos]))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -69,7 +57,10 @@ def main(argv=None) -> int:
             check_same_tokenizer(tok, load_tokenizer(args.draft))
             draft = load_model(args.draft, args.dtype)
             if args.draft_vocab:
-                draft = _pruned(draft, args.draft, args.draft_vocab, tok.eos_token_id)
+                try:
+                    draft = prune_from_dir(draft, args.draft, args.draft_vocab, [tok.eos_token_id])
+                except FileNotFoundError as e:
+                    raise ValueError(f"--draft-vocab needs token counts: {e}") from None
         text = args.prompt
         if args.chat:
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

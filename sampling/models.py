@@ -213,12 +213,23 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(resolve(name))
 
 
-def check_same_tokenizer(target_tok, draft_tok) -> None:
-    """Draft and target must tokenize identically: same vocabulary and special tokens."""
+def tokenizer_mismatches(target_tok, draft_tok) -> list[str]:
+    """What differs between two tokenizers that must tokenize identically (empty: they match)."""
+    problems = []
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError("draft and target tokenizers differ (vocabularies are not identical): "
+        problems.append("vocabularies differ")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(draft_tok, attr, None), getattr(target_tok, attr, None)
+        if a != b:
+            problems.append(f"{attr} {a} != {b}")
+    if getattr(target_tok, "chat_template", None) != getattr(draft_tok, "chat_template", None):
+        problems.append("chat templates differ")
+    return problems
+
+
+def check_same_tokenizer(target_tok, draft_tok) -> None:
+    """Draft and target must tokenize identically: same vocabulary, special tokens and chat template."""
+    problems = tokenizer_mismatches(target_tok, draft_tok)
+    if problems:
+        raise ValueError("draft and target tokenizers differ (" + "; ".join(problems) + "): "
                          "train the draft with the target's tokenizer")
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(target_tok, attr) != getattr(draft_tok, attr):
-            raise ValueError(f"draft and target tokenizers differ in {attr}: "
-                             f"{getattr(draft_tok, attr)} vs {getattr(target_tok, attr)}")

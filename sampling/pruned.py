@@ -59,3 +59,16 @@ def top_tokens(counts: torch.Tensor, n: int, always: list[int] | tuple = ()) -> 
     """The n most frequent token ids, plus `always` (e.g. EOS)."""
     ids = set(counts.topk(min(n, len(counts))).indices.tolist()) | {int(a) for a in always if a is not None}
     return torch.tensor(sorted(ids))
+
+
+def prune_from_dir(draft, draft_dir, n: int, always=()) -> PrunedHeadDraft:
+    """Prune `draft` to the n most frequent tokens of its corpus, read from DIR/token_counts.safetensors (written
+    by train/draft.py beside the best draft). FileNotFoundError when the counts are not there."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    counts = Path(draft_dir) / "token_counts.safetensors"
+    if not counts.is_file():
+        raise FileNotFoundError(f"{counts} is missing (token frequencies of the draft's corpus)")
+    return PrunedHeadDraft(draft, top_tokens(load_file(counts)["counts"], n, always))

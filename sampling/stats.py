@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def summary(xs) -> dict:
+    """mean, std, P50, P90, P99 of a list of latencies ({} when empty)."""
+    import numpy as np
+
+    a = np.asarray(xs, dtype=float)
+    if not len(a):
+        return {}
+    return {"mean": float(a.mean()), "std": float(a.std()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
 @dataclass
 class GenerationStats:
     """Counters of a generate call; the derived rates are properties so they can never disagree.

@@ -20,36 +20,28 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from sampling import autoregressive_generate, speculative_generate
 from sampling.cost import best_k, measure_costs, predicted_speedup
 from sampling.models import ModelNotFound, load_model, load_tokenizer
-from sampling.pruned import PrunedHeadDraft, top_tokens
+from sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
+from sampling.stats import summary
 from train.evaluate import load_prompts
 
 DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
 
 
-def pct(xs):
-    a = np.asarray(xs, dtype=float)
-    if not len(a):
-        return {}
-    return {"mean": float(a.mean()), "std": float(a.std()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+def pruned_draft(draft, draft_dir: Path, tok, n: int):
+    try:
+        return prune_from_dir(draft, draft_dir, n, [tok.eos_token_id])
+    except FileNotFoundError:  # a run that predates saved counts: recount the default corpus (cached)
+        from train.corpus import load_blocks
 
-
-def token_counts_for(draft_dir: Path, tok) -> torch.Tensor:
-    f = draft_dir / "token_counts.safetensors"
-    if f.is_file():
-        return load_file(f)["counts"]
-    from train.corpus import load_blocks  # the run predates saved counts: recount the default corpus (cached)
-
-    print("token_counts.safetensors not in the draft dir: counting the stdlib corpus", file=sys.stderr)
-    return torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))
+        print("token_counts.safetensors not in the draft dir: counting the stdlib corpus", file=sys.stderr)
+        counts = torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))
+        return PrunedHeadDraft(draft, top_tokens(counts, n, [tok.eos_token_id]))
 
 
 @torch.inference_mode()
@@ -86,8 +78,7 @@ def main(argv=None) -> int:
         return 2
     draft = full_draft
     if args.draft_vocab:
-        ids = top_tokens(token_counts_for(Path(args.draft), tok), args.draft_vocab, [tok.eos_token_id])
-        draft = PrunedHeadDraft(full_draft, ids)
+        draft = pruned_draft(full_draft, Path(args.draft), tok, args.draft_vocab)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     N = args.max_new_tokens
@@ -95,7 +86,7 @@ def main(argv=None) -> int:
 
     print("measuring c and v(K)...", file=sys.stderr)
     with torch.inference_mode():
-        cost = measure_costs(target, draft, ks=[k for k in args.k_sweep if k > 0] or [args.k])
+        cost = measure_costs(target, draft, ks=sorted({k for k in args.k_sweep if k > 0} | {args.k}))
     full_full_c = None
     if args.draft_vocab:
         with torch.inference_mode():
@@ -162,8 +153,8 @@ def summarise(runs, cost, args, full_c):
         lp_a, lp_s = [r["target_logprob"] for r in ars], [r["target_logprob"] for r in sps]
         alpha = statistics.mean(r["alpha"] for r in sps)
         row = {
-            "ars_ms_per_token": pct([1e3 * r["time_s"] / N for r in ars]),
-            "sps_ms_per_token": pct([1e3 * r["time_s"] / N for r in sps]),
+            "ars_ms_per_token": summary([1e3 * r["time_s"] / N for r in ars]),
+            "sps_ms_per_token": summary([1e3 * r["time_s"] / N for r in sps]),
             "speedup_median": statistics.median(speedups), "speedup_mean": statistics.mean(speedups),
             "alpha": alpha, "alpha_analytic": statistics.mean(r["alpha_analytic"] for r in sps),
             "tokens_per_call": statistics.mean(r["tokens_per_call"] for r in sps),
@@ -171,8 +162,8 @@ def summarise(runs, cost, args, full_c):
             "same_distribution_ks_pvalue": float(ks_2samp(lp_a, lp_s).pvalue) if len(lp_a) > 1 else None,
             "same_distribution_mwu_pvalue": float(mannwhitneyu(lp_a, lp_s).pvalue) if len(lp_a) > 1 else None,
             "target_logprob_ars": statistics.mean(lp_a), "target_logprob_sps": statistics.mean(lp_s),
-            "sps_token_ms": pct([x for r in sps for x in r["token_ms"]]),
-            "ars_token_ms": pct([x for r in ars for x in r["token_ms"]]),
+            "sps_token_ms": summary([x for r in sps for x in r["token_ms"]]),
+            "ars_token_ms": summary([x for r in ars for x in r["token_ms"]]),
         }
         hf_g, hf_a = by(domain=d, config="hf_generate"), by(domain=d, config="hf_assisted")
         if hf_g:
@@ -192,7 +183,7 @@ def summarise(runs, cost, args, full_c):
         tpc = statistics.mean(r["tokens_per_call"] for r in rs)
         alpha_k = statistics.mean(r["alpha"] for r in rs) if k else None
         figure1[k] = {
-            "time_s": pct([r["time_s"] * N / r["new_tokens"] for r in rs]),
+            "time_s": summary([r["time_s"] * N / r["new_tokens"] for r in rs]),
             "acceptance_efficiency": tpc / (k + 1), "tokens_per_call": tpc, "alpha": alpha_k,
             "ms_per_loop": statistics.mean(1e3 * r["time_s"] / max(1, c) for r, c in zip(rs, loops)),
             "measured_speedup": statistics.median(ars_t[r["prompt"]] / r["time_s"] for r in rs),

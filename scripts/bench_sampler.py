@@ -17,11 +17,12 @@ import random
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from sampling import autoregressive_generate, speculative_generate
 from sampling.models import DTYPES, load_model, load_tokenizer
+from sampling.stats import summary
+from train.models import truncated_target
 
 PROMPTS = [
     "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",
@@ -33,20 +34,6 @@ PROMPTS = [
     "A good night's sleep matters because",
     "def parse_args():\n    parser = argparse.ArgumentParser(",
 ]
-
-
-def cut_draft(target_name: str, layers: int, dtype: str):
-    """The target's first N layers + final norm + head: the naive draft peers use (alpha ~0.05)."""
-    m = load_model(target_name, dtype)
-    m.model.layers = m.model.layers[:layers]
-    m.config.num_hidden_layers = layers
-    return m
-
-
-def percentiles(xs):
-    a = np.asarray(xs)
-    return {"mean": float(a.mean()), "std": float(a.std()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
 def main():
@@ -69,7 +56,9 @@ def main():
 
     tok = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype)
-    first = load_model(args.draft, args.dtype) if args.draft else cut_draft(args.target, args.cut_layers, args.dtype)
+    # default: the target's first N layers + final norm + head, the naive draft peers use (alpha ~0.05)
+    first = (load_model(args.draft, args.dtype) if args.draft
+             else truncated_target(target, args.cut_layers).to(target.dtype).eval())
     drafts = {"draft" if args.draft else "cut": first}
     if args.self_draft:
         drafts["self"] = target
@@ -110,7 +99,7 @@ def main():
     rows = {}
     for c, ts in times.items():
         ms_tok = [1e3 * t / N for t in ts]
-        row = {"tokens_per_s": N / statistics.median(ts), "ms_per_token": percentiles(ms_tok)}
+        row = {"tokens_per_s": N / statistics.median(ts), "ms_per_token": summary(ms_tok)}
         if extra[c] and extra[c][0]["alpha"] is not None:
             row["alpha"] = statistics.mean(s["alpha"] for s in extra[c])
             row["tokens_per_call"] = statistics.mean(s["tokens_per_call"] for s in extra[c])

@@ -136,20 +136,20 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     from tqdm import tqdm
 
     from sampling import autoregressive_generate
+    from train.evaluate import encode_batch
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
     jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
     todo = jobs[done:]
-    tokenizer.padding_side = "left"
     with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress,
                                        desc="target-generated corpus") as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start: start + batch_size]
-            enc = tokenizer([p for _, p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            ids, mask = encode_batch(tokenizer, [p for _, p in chunk])
             g = torch.Generator().manual_seed(seed + done + start)
-            gen = autoregressive_generate(target, enc.input_ids, attention_mask=enc.attention_mask,
+            gen = autoregressive_generate(target, ids, attention_mask=mask,
                                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                           eos_token_id=tokenizer.eos_token_id, generator=g)
             for (_, prompt), toks in zip(chunk, gen.tokens):

@@ -42,6 +42,15 @@ def encode_batch(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Ten
     return enc.input_ids, enc.attention_mask
 
 
+def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int | None, k: int, temperature: float,
+                      top_p: float, top_k: int = 0, max_new_tokens: int = 64, seed: int = 0) -> dict:
+    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths."""
+    return {ps: acceptance(target, draft, tokenizer, [r["prompt"] for r in load_prompts(ps, n_prompts)], k=k,
+                           temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                           seed=seed)
+            for ps in prompt_sets}
+
+
 def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperature: float, top_p: float,
                top_k: int = 0, max_new_tokens: int = 64, seed: int = 0) -> dict:
     """alpha, alpha_analytic (on the sampler's own trajectories), tokens_per_call over a batch of prompts."""

@@ -26,8 +26,8 @@ import torch
 import yaml
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.models import ALIASES, ModelNotFound, load_model, load_tokenizer, resolve
-from train.evaluate import acceptance, load_prompts
+from sampling.models import ALIASES, ModelNotFound, load_model, load_tokenizer, resolve, tokenizer_mismatches
+from train.evaluate import acceptance_by_set
 from train.report import draft_from_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -60,14 +60,7 @@ def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
 
 
 def check_pair(target_tok, draft_tok, target, draft) -> None:
-    problems = []
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        problems.append("vocabularies differ")
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(target_tok, attr, None) != getattr(draft_tok, attr, None):
-            problems.append(f"{attr} {getattr(draft_tok, attr, None)} != {getattr(target_tok, attr, None)}")
-    if getattr(target_tok, "chat_template", None) != getattr(draft_tok, "chat_template", None):
-        problems.append("chat templates differ")
+    problems = tokenizer_mismatches(target_tok, draft_tok)
     tv, dv = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
     if tv != dv or target.config.vocab_size != draft.config.vocab_size:
         problems.append(f"vocab sizes {dv} (draft) != {tv} (target)")
@@ -85,12 +78,8 @@ def files_sha256(folder: Path, names) -> str:
 
 
 def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
-    out = {}
-    for ps in prompt_sets:
-        prompts = [r["prompt"] for r in load_prompts(ps, n_prompts)]
-        out[ps] = acceptance(target, draft, tok, prompts, k=sampler["k"], temperature=sampler["temperature"],
-                             top_p=sampler["top_p"], top_k=sampler["top_k"], max_new_tokens=max_new_tokens, seed=seed)
-    return out
+    return acceptance_by_set(target, draft, tok, prompt_sets, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+                             seed=seed, **sampler)
 
 
 def model_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:

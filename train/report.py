@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from sampling.cost import measure_costs, predicted_speedup
-from train.evaluate import acceptance, load_prompts
+from train.evaluate import acceptance_by_set
 from train.models import truncated_target
 
 
@@ -38,14 +38,12 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     s = cfg.sampler
     out = {}
     for name, draft in drafts.items():
-        out[name] = {}
-        for ps in cfg.eval.prompt_sets:
-            prompts = [r["prompt"] for r in load_prompts(ps, cfg.eval.n_prompts)]
-            res = acceptance(target, draft, tokenizer, prompts, k=s.k, temperature=s.temperature, top_p=s.top_p,
-                             top_k=s.top_k, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
-            if cost and name != "baseline_cut_target":
+        out[name] = acceptance_by_set(target, draft, tokenizer, cfg.eval.prompt_sets, n_prompts=cfg.eval.n_prompts,
+                                      k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+        if cost and name != "baseline_cut_target":
+            for res in out[name].values():
                 res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
-            out[name][ps] = res
     return out
 
 
