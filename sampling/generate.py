@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from sampling.models import DTYPES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
+from sampling.models import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
 from sampling.probs import SamplingConfig
 from sampling.pruned import prune_from_dir
 from sampling.speculative import autoregressive_generate, speculative_generate
@@ -34,7 +34,8 @@ def parse_args(argv=None):
                     help="prune the draft head to its corpus' N most frequent tokens (exact; needs the draft dir's "
                          "token_counts.safetensors, written by train/draft.py)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                    help="precision of both models (auto: the faster one for decoding on this machine, measured once)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)

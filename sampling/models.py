@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 
-# Measured on the 2-core CPU (research/peer_perf.md): the target's 1-token pass takes 36.6 ms in bf16 and
-# 59.7 ms in fp32, and scoring 5 tokens costs 1.08x one token in bf16 but 1.57x in fp32. bf16 is the default.
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DEFAULT_DTYPE = "bf16"
+from sampling import precision
+
+# The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
+# a native-bf16 EPYC and 7-70x slower for any real matmul on an AVX2-only one. `auto` measures; it is the default.
+DTYPES = precision.DTYPES
+DTYPE_CHOICES = ["auto", *DTYPES]
+DEFAULT_DTYPE = "auto"
 
 
 @dataclass(frozen=True)
@@ -196,15 +199,34 @@ def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
     return _publish(tmp, out)
 
 
-def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu"):
-    """A frozen causal LM in eval mode."""
+def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role: str = "decode"):
+    """A frozen causal LM in eval mode. dtype `auto` picks the faster precision for `role` on this machine:
+    `decode` (batch-1 sampling: the model itself is timed once) or `teacher` (passes over many tokens)."""
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if role not in ("decode", "teacher"):
+        raise ValueError(f"role must be decode or teacher, got {role!r}")
     path = resolve(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
-    return model.eval().requires_grad_(False)
+    cuda = str(device).startswith("cuda")
+    explicit = dtype != "auto"
+    if not explicit and cuda:
+        dtype = precision.cuda_dtype()
+    elif not explicit and role == "teacher":
+        dtype = precision.resolve("auto", "teacher")
+    elif not explicit:  # batch-1 decoding: the verdict depends on the model's own shapes, so time the model
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        dtype = precision.decode_dtype(model)
+        if dtype == "fp32":
+            return model
+        # loaded again, not cast: `.to(bf16)` would also cast buffers (RoPE's inv_freq) that from_pretrained keeps
+        # in fp32, and the model would differ from the one a user loads with dtype=bf16
+        del model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval().requires_grad_(False)
+    if explicit and not cuda:
+        precision.check_choice(dtype, role, model)
+    return model
 
 
 def load_tokenizer(name: str):

@@ -25,7 +25,8 @@ from scipy.stats import ks_2samp, mannwhitneyu
 
 from sampling import autoregressive_generate, speculative_generate
 from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.models import ModelNotFound, load_model, load_tokenizer
+from sampling.models import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
+from sampling.precision import describe_run, run_info
 from sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
 from sampling.stats import summary
 from train.evaluate import load_prompts
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("-k", type=int, default=4, help="K of Table 1")
     ap.add_argument("--k-sweep", type=int, nargs="+", default=list(range(0, 9)), help="Ks of Figure 1 (0 = ArS)")
     ap.add_argument("--draft-vocab", type=int, default=0, help="prune the draft head to the N most frequent tokens")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                    help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="bench", help="output directory for bench.json and figure1.png")
     ap.add_argument("--seed", type=int, default=0)
@@ -134,10 +136,12 @@ def main(argv=None) -> int:
         print(f"prompt {i + 1}/{len(rows)} ({domain}) done", file=sys.stderr, flush=True)
 
     result = summarise(runs, cost, args, full_full_c)
-    (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), "cost": cost, **result, "runs": runs},
+    info = run_info(target=target, draft=full_draft)
+    (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), **info, "cost": cost, **result, "runs": runs},
                                                    indent=2, default=float))
     plot(result, out_dir / "figure1.png", args)
     print_tables(result, cost, args, full_full_c)
+    print(f"measured on: {describe_run(info)}")
     print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'figure1.png'}")
     return 0
 

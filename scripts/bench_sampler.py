@@ -20,7 +20,8 @@ import time
 import torch
 
 from sampling import autoregressive_generate, speculative_generate
-from sampling.models import DTYPES, load_model, load_tokenizer
+from sampling.models import DTYPE_CHOICES, load_model, load_tokenizer
+from sampling.precision import describe_run, run_info
 from sampling.stats import summary
 from train.models import truncated_target
 
@@ -48,7 +49,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                    help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -114,7 +116,9 @@ def main():
         ratios[f"ours_sps_{name}_vs_ours_ars"] = ratio(f"ours_sps_{name}", "ours_ars")
         ratios[f"hf_assisted_{name}_vs_hf_generate"] = ratio(f"hf_assisted_{name}", "hf_generate")
 
-    print(f"\n{args.target} {args.dtype}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts")
+    info = run_info(target=target, draft=first)
+    print(f"\nmeasured on: {describe_run(info)}")
+    print(f"{args.target}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts")
     print(f"{'config':<20}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tok/call':>9}")
     for c, r in rows.items():
         m = r["ms_per_token"]
@@ -125,7 +129,7 @@ def main():
     print("\nspeed ratios (median over prompts, > 1 = first is faster):")
     for k, v in ratios.items():
         print(f"  {k:<42}{v:.3f}")
-    result = {"args": vars(args), "rows": rows, "ratios": ratios}
+    result = {"args": vars(args), **info, "rows": rows, "ratios": ratios}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -222,3 +222,22 @@ def test_pruned_draft_head_stays_exact(pair, k):
                                          generator=g), 50_000, 3, prompt)
     assert 0 < stats.alpha < 1
     assert pvalue(counts, target_sequences(q, prompt, 3, None)) > 1e-3
+
+
+def test_mixed_precision_pair_stays_exact(pair):
+    """`auto` may give the draft and the target different dtypes (an fp32 target beside a bf16 draft on an AVX2
+    CPU): both distributions are processed in float32, so the output is still exactly the target's."""
+    import copy
+
+    target, draft = pair
+    draft16 = copy.deepcopy(draft).to(torch.bfloat16)
+    cfg = SamplingConfig(0.9, 0, 0.95)
+    q, p = Dist(target, cfg), Dist(draft16, cfg)
+    prompt = [1, 3]
+    assert tv(speculative_sequences(p, q, prompt, 4, 3, 0), target_sequences(q, prompt, 4, 0)) < 1e-6
+    g = torch.Generator().manual_seed(5)
+    counts, stats = sample_counts(
+        lambda ids: speculative_generate(target, draft16, ids, max_new_tokens=3, k=3, temperature=0.9, top_p=0.95,
+                                         generator=g), 50_000, 3, prompt)
+    assert 0 < stats.alpha < 1
+    assert pvalue(counts, target_sequences(q, prompt, 3, None)) > 1e-3

@@ -38,6 +38,9 @@ def test_bundle_layout_and_acceptance_card(bundle):
     card = (out / "README.md").read_text()
     assert "assistant_model=draft" in card and "vllm serve" in card and "python -m sampling.generate" in card
     assert not list(out.parent.glob(".pair.partial-*"))  # atomic: no leftovers
+    # what the speed figures ran on: the card and the spec name the CPU and each model's precision
+    assert set(spec["dtype"]) == {"target", "draft"} and spec["machine"]["threads"] >= 1
+    assert spec["machine"]["cpu_capability"] in card and f"target {spec['dtype']['target']}" in card
 
 
 def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bundle):

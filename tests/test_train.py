@@ -46,6 +46,9 @@ def test_every_recipe_file_composes_and_instantiates(group, name):
         DeepSpeedConfig(ds)  # validates stage, offload and batch keys as DeepSpeed itself would
         assert ds["zero_optimization"]["stage"] == int(name[-1])
     if kwargs["accelerator"] == "cpu":
+        from sampling.precision import trainer_precision
+
+        kwargs["precision"] = trainer_precision(kwargs["precision"], "cpu")  # `auto`, resolved as train/draft.py does
         kwargs.update(logger=loggers(OmegaConf.create({"logger": {"csv": True, "wandb": None}}), Path("/tmp")),
                       enable_checkpointing=False)
         L.Trainer(**kwargs)
@@ -114,13 +117,18 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     assert "best draft:" in res.stdout and str(out / "best_draft") in res.stdout
     assert report["eval"]["best"]["code"]["alpha"] is not None and report["c"] > 0
     assert report["validation_history"] and report["validation_history"][-1]["step"] == 6
+    # precision `auto` resolved on this machine, whichever way it went, and recorded with what it ran on
+    assert report["training_precision"] in ("32-true", "bf16-mixed")
+    assert report["dtype"]["target"] in ("fp32", "bf16") and report["machine"]["cpu_capability"]
+    assert report["monitor"] == "val/alpha_on_target" and 0 < report["best_score"] <= 1
+    assert 0 <= report["eval"]["best"]["code"]["alpha_on_target"] <= 1
     draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
     assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "best_draft" / "token_counts.safetensors").is_file()
     rows = list(csv.DictReader((out / "csv" / "metrics.csv").open()))
     logged = {k for r in rows for k, v in r.items() if v}
     assert {"train/loss", "train/tv", "val/alpha", "val/alpha_analytic", "val/tokens_per_call", "train/lr",
-            "val/predicted_speedup"} <= logged
+            "val/predicted_speedup", "val/alpha_on_target"} <= logged
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert runs and runs[0].stat().st_size > 0
 

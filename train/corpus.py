@@ -16,6 +16,7 @@ import glob
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -129,7 +130,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
 
 
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
-                    max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 8,
+                    max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
                     seed: int = 0, progress: bool = True) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (field `text`); resumable: rows
     already in the file are kept and the work continues after them."""
@@ -143,6 +144,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
     jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
     todo = jobs[done:]
+    new_tokens, t0 = 0, time.perf_counter()
     with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress,
                                        desc="target-generated corpus") as bar:
         for start in range(0, len(todo), batch_size):
@@ -155,5 +157,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
             for (_, prompt), toks in zip(chunk, gen.tokens):
                 f.write(json.dumps({"text": prompt + tokenizer.decode(toks, skip_special_tokens=True)}) + "\n")
             f.flush()
+            new_tokens += gen.stats.new_tokens
+            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tokens/s, batch {len(chunk)}")
             bar.update(len(chunk))
     return out_path

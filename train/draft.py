@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 import time
@@ -19,12 +21,25 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from sampling.models import ModelNotFound, cache_home, load_model, load_tokenizer
+from sampling.precision import trainer_precision
 from train.callbacks import AcceptanceCallback
 from train.corpus import CorpusError, generate_corpus, load_blocks
 from train.models import DraftConfig, build_draft
 from train.module import DraftModule
+from train.onpolicy import OnPolicy
 from train.report import final_report, print_report
-from train.setup import SetupError, check_writable, loaders, loggers, validation_prompts
+from train.setup import (
+    SetupError,
+    check_data,
+    check_writable,
+    loaders,
+    loggers,
+    on_target_prompts,
+    prompt_tensor,
+    prompt_texts,
+    split_prompts,
+    validation_prompts,
+)
 
 log = logging.getLogger("draftsmith")
 
@@ -34,17 +49,20 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, verbose=False)
     out_dir = check_writable(cfg.out_dir)
 
-    # 1. The frozen target and its tokenizer.
-    target = load_model(cfg.target.name, cfg.target.dtype)
+    # 1. The frozen target and its tokenizer, in the precision its teacher passes run fastest in on this machine.
     tok = load_tokenizer(cfg.target.name)
+    check_data(cfg, tok)
+    file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
+    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher")
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
     source = cfg.data.source
     if cfg.data.generated.enabled:
-        source = str(_generated_corpus(cfg, target, tok, out_dir))
+        source = str(_generated_corpus(cfg, target, tok, file_prompts))
     blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
                          cfg.data.max_documents)
     train_dl, val_dl = loaders(blocks, cfg)
+    on_policy = _on_policy(cfg, tok, blocks, file_prompts)
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary.
     draft = build_draft(target, DraftConfig(**OmegaConf.to_container(cfg.draft)))
@@ -54,16 +72,22 @@ def train(cfg: DictConfig) -> dict:
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
-                         sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps)
+                         sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
+                         on_policy=on_policy)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
+    on_target = on_target_prompts(cfg, tok, blocks, val_prompts)
     acceptance_cb = AcceptanceCallback(ids, mask, tok, k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       max_new_tokens=s.max_new_tokens, seed=cfg.seed)
+                                       max_new_tokens=s.max_new_tokens, seed=cfg.seed,
+                                       on_target_prompts=on_target,
+                                       on_target_tokens=s.on_target_tokens,
+                                       samples_path=out_dir / "val_target_samples.safetensors")
     metric = cfg.checkpoint.monitor
     checkpoint_cb = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor=metric, mode=cfg.checkpoint.mode,
                                     save_last=True, save_top_k=1, auto_insert_metric_name=False,
                                     filename=f"step{{step}}-{metric.split('/')[-1]}{{{metric}:.4f}}")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer)
+    trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
     if isinstance(trainer_kwargs.get("strategy"), dict):
         trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir), callbacks=[acceptance_cb, checkpoint_cb],
@@ -78,24 +102,48 @@ def train(cfg: DictConfig) -> dict:
     tps = trainer.callback_metrics.get("train/tokens_per_s")
     report = final_report(target=target, module=module, tokenizer=tok, cfg=cfg, out_dir=out_dir,
                           checkpoint_cb=checkpoint_cb, acceptance_cb=acceptance_cb, wall_s=time.time() - t0,
-                          tokens_per_s=float(tps) if tps is not None else None,
+                          tokens_per_s=float(tps) if tps is not None else None, precision=trainer.precision,
                           token_counts=torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size))
     print_report(report)
     return report
 
 
-def _generated_corpus(cfg, target, tok, out_dir):
+def _generated_corpus(cfg, target, tok, file_prompts):
+    """`data=generated`: the target samples continuations of the prompts once; cached and resumable."""
     g = cfg.data.generated
-    base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
-                       cfg.data.text_field, cfg.data.max_documents)["train"]
-    idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
-    prompts = [tok.decode(b[: cfg.sampler.prompt_tokens], skip_special_tokens=True) for b in base[idx]]
+    if file_prompts is None:
+        base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
+                           cfg.data.text_field, cfg.data.max_documents)["train"]
+        idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
+        prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
+    else:
+        prompts = file_prompts[: g.n_prompts]
     s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable)
-    name = f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
+    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template]).encode())
+    name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
+            f"-{origin.hexdigest()[:8]}")
     path = cache_home() / "generated" / f"{name}.jsonl"
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
-                           max_new_tokens=g.max_new_tokens, temperature=cfg.sampler.temperature,
-                           top_p=cfg.sampler.top_p, seed=cfg.seed)
+                           max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                           batch_size=g.batch_size, seed=cfg.seed)
+
+
+def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
+    """The on-policy share of each batch. Prompts: openings of the training blocks, or the prompts file's; wrapped
+    in the chat template when asked (then the openings go through text)."""
+    d, s = cfg.data, cfg.sampler
+    if d.on_policy_fraction == 0:
+        return None
+    train = blocks["train"]
+    openings = train[torch.linspace(0, len(train) - 1, min(4096, len(train))).long(), : d.prompt_tokens]
+    if file_prompts is not None:
+        pool = prompt_tensor(file_prompts, tok, d.prompt_tokens)
+    elif d.chat_template:
+        pool = prompt_tensor(prompt_texts(cfg, tok, openings), tok, d.prompt_tokens)
+    else:
+        pool = (openings, torch.ones_like(openings))
+    return OnPolicy(d.on_policy_fraction, pool, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                    buffer=d.on_policy_buffer, seed=cfg.seed)
 
 
 @hydra.main(version_base="1.3", config_path="../recipes", config_name="draft")

@@ -26,7 +26,16 @@ import torch
 import yaml
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.models import ALIASES, ModelNotFound, load_model, load_tokenizer, resolve, tokenizer_mismatches
+from sampling.models import (
+    ALIASES,
+    DTYPE_CHOICES,
+    ModelNotFound,
+    load_model,
+    load_tokenizer,
+    resolve,
+    tokenizer_mismatches,
+)
+from sampling.precision import describe_run, run_info
 from train.evaluate import acceptance_by_set
 from train.report import draft_from_checkpoint
 
@@ -101,7 +110,8 @@ temperature {s['temperature']}, top-p {s['top_p']}, {spec['max_new_tokens']} new
 | --- | --- | --- | --- |
 {rows}
 
-Draft cost c = {spec['c']:.3f} of a target step, measured on the exporting machine; recommended K = {k}
+Draft cost c = {spec['c']:.3f} of a target step, measured on the exporting machine ({describe_run(spec)});
+recommended K = {k}
 (predicted speed-up {spec['predicted_speedup'][str(k)]:.2f}x there). Acceptance holds only at the sampling
 settings above: other temperatures give other rates.
 
@@ -129,7 +139,7 @@ python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --
 
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
-           max_new_tokens=64, seed=0, dtype="bf16", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
+           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
     src, target_name, sampler = locate(src, target_arg)
     target_dir = resolve(target_name)
     target, target_tok = load_model(target_name, dtype), load_tokenizer(target_name)
@@ -160,7 +170,8 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         "c": cost["c"], "v": {str(k): v for k, v in cost["v"].items()},
         "predicted_speedup": {str(k): predicted_speedup(alpha, k, cost["c"], v) for k, v in cost["v"].items()},
         "max_new_tokens": max_new_tokens, "seed": seed, "prompt_sets": list(prompt_sets), "n_prompts": n_prompts,
-        "dtype": dtype,
+        # what the speed figures were measured on, and each model's precision (auto: measured per machine)
+        **run_info(target=target, draft=draft),
     }
 
     out = out.resolve()
@@ -210,7 +221,7 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
 
 def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:
     """Load the bundle back as a user would; our sampler must reproduce the recorded acceptance exactly."""
-    draft = load_model(str(bundle / "draft"), spec["dtype"])
+    draft = load_model(str(bundle / "draft"), spec["dtype"]["draft"])
     check_pair(target_tok, load_tokenizer(str(bundle / "draft")), target, draft)
     with torch.inference_mode():
         again = measure_pair(target, draft, target_tok, sampler, spec["prompt_sets"], spec["n_prompts"],
@@ -230,7 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-sets", nargs="+", default=["code", "english"])
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                    help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     args = ap.parse_args(argv)
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,

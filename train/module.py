@@ -7,10 +7,12 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
 
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
 from train.losses import draft_loss
+from train.onpolicy import Batch, OnPolicy
 
 
 class DraftModule(L.LightningModule):
@@ -20,11 +22,13 @@ class DraftModule(L.LightningModule):
     saved in a draft checkpoint, never wrapped or partitioned by DDP/DeepSpeed, and never touched by the optimiser.
     """
 
-    def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int):
+    def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
+                 on_policy: OnPolicy | None = None):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
         self.loss_cfg, self.optim_cfg, self.max_steps = loss, optim, max_steps
+        self.on_policy = on_policy if on_policy is not None and on_policy.fraction > 0 else None
         self.sampling = SamplingConfig(sampler["temperature"], sampler.get("top_k", 0), sampler.get("top_p", 1.0))
         self.save_hyperparameters({"loss": loss, "optim": optim, "sampler": sampler, "max_steps": max_steps})
         self._tokens_seen = 0
@@ -37,29 +41,54 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
 
-    def _target_logits(self, inputs):
+    def _logits(self, model, b: Batch):
+        """Logits at every position but the last (whose prediction has no label), padding-aware."""
+        mask, pos = b.mask, b.positions()
+        return model(input_ids=b.ids[:, :-1], attention_mask=None if mask is None else mask[:, :-1],
+                     position_ids=None if pos is None else pos[:, :-1]).logits
+
+    def _target_logits(self, b: Batch):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
-            return self.target(input_ids=inputs).logits
+            return self._logits(self.target, b)
+
+    def _progress(self) -> float:
+        """Fraction of training done: by steps, or by wall time when `trainer.max_time` bounds the run (so a
+        time-boxed run, an ablation at equal wall time, still anneals and decays fully)."""
+        frac = self.global_step / max(1, self.max_steps)
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
+        if timer is not None and timer.time_remaining("train") is not None:
+            spent = timer.time_elapsed("train")
+            frac = max(frac, spent / max(1e-9, spent + timer.time_remaining("train")))
+        return min(1.0, frac)
 
     def _weights(self) -> dict:
         w = dict(self.loss_cfg["weights"])
         anneal = self.loss_cfg.get("anneal")
         if anneal:  # linear from the term's weight to `to` over the first `over` fraction of training
-            frac = min(1.0, self.global_step / max(1.0, anneal["over"] * self.max_steps))
+            frac = min(1.0, self._progress() / anneal["over"])
             w[anneal["term"]] = w[anneal["term"]] + frac * (anneal["to"] - w[anneal["term"]])
         return w
 
     def training_step(self, batch, batch_idx):
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
-        inputs, labels = ids[:, :-1], ids[:, 1:]  # causal: the last token's logits would be thrown away
-        logits = self.draft(input_ids=inputs).logits  # (B, T-1, V)
-        tlogits = self._target_logits(inputs)
+        b = Batch(ids)
+        if self.on_policy is not None:
+            t = time.perf_counter()
+            b = self.on_policy(self.draft, ids)
+            self.log("train/on_policy_s", time.perf_counter() - t)
+        logits = self._logits(self.draft, b)  # (B, T-1, V)
+        tlogits = self._target_logits(b)
         V = logits.shape[-1]
-        total, parts = draft_loss(logits.reshape(-1, V), labels.reshape(-1),
-                                  None if tlogits is None else tlogits.reshape(-1, V), self._weights(),
-                                  self.loss_cfg.get("temperature", 1.0), self.loss_cfg.get("compile", True))
+        logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
+        tlogits = None if tlogits is None else tlogits.reshape(-1, V)
+        if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
+            keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
+            logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)
+            tlogits = None if tlogits is None else tlogits.index_select(0, keep)
+        total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
+                                  self.loss_cfg.get("compile", True))
         self.log("train/loss", total, prog_bar=True)
         for k, v in parts.items():
             self.log(f"train/{k}", v)
@@ -99,7 +128,7 @@ class DraftModule(L.LightningModule):
         def schedule(step):  # linear warm-up, then cosine to floor * lr at max_steps
             if step < warmup:
                 return (step + 1) / warmup
-            t = min(1.0, (step - warmup) / max(1, self.max_steps - warmup))
+            t = max(min(1.0, (step - warmup) / max(1, self.max_steps - warmup)), self._progress())
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from sampling.cost import measure_costs, predicted_speedup
+from sampling.precision import describe_run, run_info
 from train.evaluate import acceptance_by_set
 from train.models import truncated_target
 
@@ -40,7 +42,7 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     for name, draft in drafts.items():
         out[name] = acceptance_by_set(target, draft, tokenizer, cfg.eval.prompt_sets, n_prompts=cfg.eval.n_prompts,
                                       k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True)
         if cost and name != "baseline_cut_target":
             for res in out[name].values():
                 res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
@@ -48,7 +50,8 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
 
 
 def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, acceptance_cb, wall_s: float,
-                 tokens_per_s: float | None, token_counts: torch.Tensor | None = None) -> dict:
+                 tokens_per_s: float | None, precision: str, token_counts: torch.Tensor | None = None) -> dict:
+    t0 = time.time()
     last = module.draft.eval()
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
@@ -58,7 +61,8 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)
     # c measured again now, on the best draft in the target's dtype, with no trainer or logger starting up beside
     # it (the measurement at fit start shares the CPU with them).
-    cost = measure_costs(target, copy.deepcopy(best).to(target.dtype), ks=(cfg.sampler.k,))
+    cost_draft = copy.deepcopy(best).to(target.dtype)
+    cost = measure_costs(target, cost_draft, ks=(cfg.sampler.k,))
     with torch.inference_mode():
         results = measure(target, drafts, tokenizer, cfg, cost)
     report = {
@@ -73,7 +77,9 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "validation_history": acceptance_cb.history,
         "eval": results,
         "train_tokens_per_s": tokens_per_s,
-        "wall_s": wall_s,
+        "wall_s": wall_s + time.time() - t0,  # everything, this report's measurements included
+        "training_precision": precision,  # the draft's; the target's and the cost models' are in run_info
+        **run_info(target=target, draft=cost_draft),
         "draft_layers": best.config.num_hidden_layers,
         "draft_params": sum(p.numel() for p in best.parameters()),
     }
@@ -86,14 +92,16 @@ def print_report(report: dict) -> None:
     print(f"\nbest draft: {report['best_draft']}")
     print(f"  (checkpoint {report['best_checkpoint']}, {report['monitor']} = {report['best_score']})")
     print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets:")
-    print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'tok/call':>10}{'pred. speed-up':>16}")
+    print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'alpha_on_target':>17}{'tok/call':>10}"
+          f"{'pred. speed-up':>16}")
     for name, sets in report["eval"].items():
         for ps, r in sets.items():
             sp = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
-            print(f"  {name:<22}{ps:<10}{r['alpha']:>8.3f}{r['alpha_analytic']:>16.3f}{r['tokens_per_call']:>10.2f}"
-                  f"{sp:>16}")
+            print(f"  {name:<22}{ps:<10}{r['alpha']:>8.3f}{r['alpha_analytic']:>16.3f}{r['alpha_on_target']:>17.3f}"
+                  f"{r['tokens_per_call']:>10.2f}{sp:>16}")
     if report["c"] is not None:
         print(f"draft cost c = {report['c']:.3f} of a target step (measured here)")
     if report["train_tokens_per_s"]:
         print(f"training throughput: {report['train_tokens_per_s']:.0f} tokens/s")
-    print(f"wall time: {report['wall_s'] / 60:.1f} min")
+    print(f"wall time: {report['wall_s'] / 60:.1f} min (training precision {report['training_precision']}; "
+          f"{describe_run(report)})")

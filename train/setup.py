@@ -70,3 +70,95 @@ def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.
     idx = torch.linspace(0, len(val) - 1, n).long()
     ids = val[idx, :prompt_tokens].clone()
     return ids, torch.ones_like(ids)
+
+
+def check_data(cfg, tokenizer) -> None:
+    """Refuse data settings that cannot work, before anything is loaded or written (one line each)."""
+    d = cfg.data
+    if cfg.checkpoint.monitor == "val/alpha_on_target" and not cfg.sampler.on_target_tokens:
+        raise SetupError("checkpoint.monitor=val/alpha_on_target needs its sample set: set sampler.on_target_tokens "
+                         "> 0 or monitor another metric (val/alpha, val/alpha_analytic)")
+    f = d.on_policy_fraction
+    if not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        raise SetupError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
+                         f"itself), got {f}")
+    if f > 0 and not cfg.loss.get("distill", True):
+        raise SetupError(f"data.on_policy_fraction={f} needs the target's logits on the draft's samples: "
+                         "choose a distillation loss (loss=distill_tv, forward_kl, jsd, ...), not loss=ce")
+    if f > 0 and round(f * d.batch_size) == 0:
+        raise SetupError(f"data.on_policy_fraction={f} of a batch of {d.batch_size} rounds to no row: raise it to "
+                         f"at least {0.5 / d.batch_size:.3f} or set it to 0")
+    if f > 0 and d.prompt_tokens >= d.block_size:
+        raise SetupError(f"data.prompt_tokens ({d.prompt_tokens}) leaves no room for an on-policy continuation in "
+                         f"blocks of {d.block_size}: lower it or raise data.block_size")
+    if d.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise SetupError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
+                         "set data.chat_template=false")
+    g = d.generated
+    if g.enabled:
+        budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
+        if budget < d.batch_size * d.block_size:
+            raise SetupError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "
+                             f"{g.samples_per_prompt} x {g.max_new_tokens}), less than one batch of "
+                             f"{d.batch_size} x {d.block_size}: raise data.generated.n_prompts or max_new_tokens")
+
+
+def prompt_texts(cfg, tokenizer, openings: torch.Tensor | None = None, use_file: bool = True) -> list[str]:
+    """Generation prompts: `data.prompts` (a JSONL with a `prompt` field) or decoded corpus openings; wrapped in the
+    target's chat template when `data.chat_template` (an Instruct target is deployed that way)."""
+    from train.evaluate import load_prompts
+
+    if cfg.data.prompts and use_file:
+        try:
+            texts = [r["prompt"] for r in load_prompts(str(cfg.data.prompts))]
+        except (ValueError, OSError) as e:
+            raise SetupError(f"data.prompts: {e}") from None
+    else:
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in openings]
+    if cfg.data.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in texts]
+    return texts
+
+
+def prompt_tensor(texts: list[str], tokenizer, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (N, <= max_tokens) ids and mask; longer prompts keep their last max_tokens tokens (the part a
+    continuation depends on most). Chat-templated text already holds its special tokens."""
+    rows = [ids[-max_tokens:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if ids]
+    if not rows:
+        raise SetupError("no usable generation prompt: every prompt tokenizes to nothing")
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def split_prompts(cfg, tokenizer) -> tuple[list[str] | None, list[str] | None]:
+    """`data.prompts` as (training prompts, held-out prompts for val/alpha_on_target): every k-th prompt is held
+    out and never trained on. (None, None) without a prompts file."""
+    if not cfg.data.prompts:
+        return None, None
+    texts = prompt_texts(cfg, tokenizer)
+    if len(texts) < 4:
+        return texts, None
+    n = min(cfg.sampler.on_target_prompts, len(texts) // 2)
+    held = set(torch.linspace(0, len(texts) - 1, n).long().tolist())
+    return [t for i, t in enumerate(texts) if i not in held], [t for i, t in enumerate(texts) if i in held]
+
+
+def on_target_prompts(cfg, tokenizer, blocks: dict, held_out: list[str] | None):
+    """Prompts the target continues once for val/alpha_on_target: the prompts file's held-out ones, else held-out
+    corpus openings (through the chat template when asked). None when the metric is off."""
+    s = cfg.sampler
+    if not s.on_target_tokens:
+        return None
+    if held_out is not None:
+        return prompt_tensor(held_out, tokenizer, s.prompt_tokens + 64)
+    openings, ones = validation_prompts(blocks, s.on_target_prompts, s.prompt_tokens)
+    if cfg.data.chat_template:
+        return prompt_tensor(prompt_texts(cfg, tokenizer, openings, use_file=False), tokenizer, s.prompt_tokens + 64)
+    return openings, ones

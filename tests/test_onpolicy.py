@@ -1,0 +1,185 @@
+"""On-policy data (DistillSpec) and the on-distribution validation metric: batches really come from the draft, the
+mixture holds its fraction, the target is never updated, `alpha_on_target` equals a direct computation, and bad
+data settings are refused before training starts."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from conftest import run_entry, tiny_llama
+from torch.utils.data import DataLoader, TensorDataset
+
+from sampling.probs import SamplingConfig, process_logits
+from train.evaluate import alpha_on_samples, target_samples
+from train.onpolicy import Batch, OnPolicy
+
+V = 32
+
+
+def one_token_draft(token: int, vocab: int = V):
+    """A draft whose every distribution is (numerically) a point mass on `token`."""
+    model = tiny_llama(vocab=vocab, seed=3)
+    head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-50.0)
+        head.bias[token] = 50.0
+    model.lm_head = head
+    return model
+
+
+def openings(ids, n):
+    return ids[:, :n], torch.ones_like(ids[:, :n])
+
+
+def test_on_policy_rows_are_the_drafts_own_samples():
+    ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(0))
+    ids[ids == 7] = 8
+    op = OnPolicy(1.0, openings(ids, 5), temperature=0.8, top_p=0.95)
+    b = op(one_token_draft(7), ids)
+    assert b.ids.shape == ids.shape
+    pool = {tuple(r) for r in ids[:, :5].tolist()}
+    assert all(tuple(r) in pool for r in b.ids[:, :5].tolist())  # prompts are corpus openings
+    assert (b.ids[:, 5:] == 7).all()  # everything after the prompt is what the draft emitted
+    assert b.loss_mask.shape == (4, 11)
+    assert not b.loss_mask[:, :4].any() and b.loss_mask[:, 4:].all()  # the loss sees only the draft's tokens
+    assert not b.ids.is_inference()  # usable in a training forward
+
+
+@pytest.mark.parametrize("fraction,batch,rows", [(0.0, 4, 0), (0.5, 4, 2), (0.25, 8, 2), (1.0, 3, 3)])
+def test_mixture_holds_its_fraction(fraction, batch, rows):
+    ids = torch.randint(0, V, (batch, 10), generator=torch.Generator().manual_seed(1))
+    ids[ids == 7] = 8
+    b = OnPolicy(fraction, openings(ids, 4), temperature=1.0)(one_token_draft(7), ids)
+    changed = (b.ids != ids).any(1)
+    assert int(changed.sum()) == rows and changed[:rows].all()
+    assert torch.equal(b.ids[rows:], ids[rows:])  # the fixed share is the corpus batch untouched
+    if rows:
+        assert int((~b.loss_mask).sum()) == rows * 3
+    else:
+        assert b.loss_mask is None
+
+
+def test_prompts_from_a_pool_are_left_padded_and_masked():
+    pool = (torch.tensor([[0, 0, 5, 6], [1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+    b = OnPolicy(1.0, pool, temperature=1.0)(one_token_draft(7), torch.zeros(6, 9).long())
+    assert (b.ids[:, 4:] == 7).all()
+    padded = (b.mask[:, :2] == 0).all(1)
+    assert padded.any() and torch.equal(b.ids[padded, 2:4], torch.tensor([[5, 6]]).expand(int(padded.sum()), 2))
+    assert b.positions()[padded][0, 2:5].tolist() == [0, 1, 2]  # RoPE positions skip the padding
+
+
+def test_out_of_range_fraction_is_refused():
+    for f in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"on_policy_fraction must be in \[0, 1\]"):
+            OnPolicy(f, openings(torch.zeros(2, 5).long(), 4), temperature=1.0)
+
+
+def test_rows_are_sampled_a_buffer_at_a_time():
+    """Decoding is sequential in tokens and nearly free in rows: 2 rows a step from a buffer of 8 means the draft
+    samples once every 4 steps, and every row is used once."""
+    ids = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(2))
+    op = OnPolicy(0.5, openings(ids, 4), temperature=1.0, buffer=8)
+    draft = one_token_draft(7)
+    sampled = []
+    for _ in range(8):
+        op(draft, ids)
+        sampled.append(op.sampled_rows)
+    assert sampled == [8, 8, 8, 8, 16, 16, 16, 16]
+
+
+def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
+    from train.models import DraftConfig, build_draft
+    from train.module import DraftModule
+
+    target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
+    draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+    before_t = {k: v.clone() for k, v in target.state_dict().items()}
+    before_d = {k: v.clone() for k, v in draft.state_dict().items()}
+    calls = []
+    op = OnPolicy(0.5, (torch.randint(0, V, (8, 4)), torch.ones(8, 4).long()), temperature=1.0, buffer=4)
+    real = op.__call__
+    op_calls = type("Spy", (), {"fraction": 0.5, "__call__": lambda self, d, ids: calls.append(1) or real(d, ids)})()
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
+    module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
+                         sampler={"temperature": 1.0}, max_steps=4, on_policy=op_calls)
+    data = DataLoader(TensorDataset(torch.randint(0, V, (16, 12))), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(module, data)
+    assert len(calls) == 4
+    assert all(torch.equal(before_t[k], v) for k, v in target.state_dict().items())
+    assert any(not torch.equal(before_d[k], v) for k, v in draft.state_dict().items())
+
+
+def direct_alpha(target, draft, samples: Batch, cfg) -> float:
+    """Row by row, unpadded, position by position: mean of sum_x min(p, q) over the sampled tokens."""
+    accs = []
+    for i in range(len(samples.ids)):
+        real = samples.mask[i].bool()
+        seq = samples.ids[i][real]
+        first = int((~samples.mask[i][: samples.mask[i].argmax()].bool()).sum())  # left padding
+        labels = samples.loss_mask[i].nonzero().squeeze(1) + 1 - first  # label positions in the unpadded row
+        for t in labels.tolist():
+            with torch.no_grad():
+                p = process_logits(draft(input_ids=seq[None, :t]).logits[0, -1], cfg)
+                q = process_logits(target(input_ids=seq[None, :t]).logits[0, -1], cfg)
+            accs.append(float(torch.minimum(p, q).sum()))
+    return sum(accs) / len(accs)
+
+
+def test_alpha_on_target_equals_a_direct_computation():
+    target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
+    draft = tiny_llama(vocab=V, layers=1, hidden=16, seed=1, logit_scale=2.0)
+    prompts = torch.tensor([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5], [0, 9, 8, 7, 6]])
+    mask = (torch.arange(5)[None] >= torch.tensor([[2], [0], [1]])).long()
+    samples = target_samples(target, prompts, mask, max_new_tokens=6, temperature=0.9, top_p=0.95,
+                             eos_token_id=2, pad_token_id=0, seed=4)
+    assert samples.loss_mask.sum() > 6  # sampled tokens are scored (EOS may end a row early)
+    cfg = SamplingConfig(0.9, 0, 0.95)
+    got = alpha_on_samples(target, draft, samples, cfg)
+    assert 0 < got < 1
+    assert got == pytest.approx(direct_alpha(target, draft, samples, cfg), abs=1e-5)
+    assert alpha_on_samples(target, target, samples, cfg) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["data.on_policy_fraction=1.5"], "on_policy_fraction must be in [0, 1]"),
+    (["sampler.on_target_tokens=0"], "needs its sample set"),
+    (["data=on_policy", "loss=ce"], "choose a distillation loss"),
+    (["data=on_policy", "data.prompt_tokens=64"], "leaves no room"),
+    (["data=on_policy", "data.chat_template=true"], "has no chat template"),
+    (["data=generated", "data.generated.n_prompts=1", "data.generated.max_new_tokens=8"], "less than one batch"),
+])
+def test_bad_data_settings_fail_before_training(tmp_path, overrides, msg):
+    out = tmp_path / "run"
+    res = run_entry("recipe=smoke", *overrides, f"hydra.run.dir={out}", "logger=csv")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert msg in res.stderr and res.stderr.strip().splitlines()[-1].startswith("error:")
+    assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("content,msg", [("", "holds no usable prompt"), ('{"text": "x"}\n', "'prompt'"),
+                                         ("not json\n", "not a JSON object")])
+def test_unusable_prompts_file_is_refused(tmp_path, content, msg):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(content)
+    res = run_entry("recipe=smoke", "data=on_policy", f"data.prompts={f}", f"hydra.run.dir={tmp_path / 'run'}",
+                    "logger=csv")
+    assert res.returncode == 2 and msg in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_mixed_recipe_with_a_prompts_file_trains_and_monitors_alpha_on_target(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return"}) + "\n" for i in range(5)))
+    out = tmp_path / "run"
+    res = run_entry("recipe=smoke", "data=mixed", f"data.prompts={f}", f"hydra.run.dir={out}", "logger=csv")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "val_target_samples.safetensors").is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert report["monitor"] == "val/alpha_on_target" and 0 < report["best_score"] <= 1
+    rows = (out / "csv" / "metrics.csv").read_text()
+    assert "train/on_policy_s" in rows and "val/alpha_on_target" in rows
