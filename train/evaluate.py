@@ -109,13 +109,8 @@ def alpha_on_samples(target, draft, samples: Batch, cfg: SamplingConfig, chunk: 
     """Teacher-forced alpha_analytic (mean of sum_x min(p, q) over the processed distributions) on the positions
     of `samples.loss_mask`: one batched forward of each model. On the target's own samples it is
     `alpha_on_target` (DESIGN.md section 2): what the sampler will meet, with no sampling noise."""
-    def logits(model):
-        pos = samples.positions()
-        return model(input_ids=samples.ids[:, :-1], attention_mask=samples.mask[:, :-1],
-                     position_ids=None if pos is None else pos[:, :-1]).logits
-
     keep = samples.loss_mask.reshape(-1).nonzero().squeeze(1)
-    lp, lq = logits(draft), logits(target)
+    lp, lq = samples.logits(draft), samples.logits(target)
     V = lp.shape[-1]
     lp, lq = lp.reshape(-1, V).index_select(0, keep), lq.reshape(-1, V).index_select(0, keep)
     acc = [expected_acceptance(process_logits(a, cfg), process_logits(b, cfg))

@@ -41,17 +41,11 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
 
-    def _logits(self, model, b: Batch):
-        """Logits at every position but the last (whose prediction has no label), padding-aware."""
-        mask, pos = b.mask, b.positions()
-        return model(input_ids=b.ids[:, :-1], attention_mask=None if mask is None else mask[:, :-1],
-                     position_ids=None if pos is None else pos[:, :-1]).logits
-
     def _target_logits(self, b: Batch):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
-            return self._logits(self.target, b)
+            return b.logits(self.target)
 
     def _progress(self) -> float:
         """Fraction of training done: by steps, or by wall time when `trainer.max_time` bounds the run (so a
@@ -78,7 +72,7 @@ class DraftModule(L.LightningModule):
             t = time.perf_counter()
             b = self.on_policy(self.draft, ids)
             self.log("train/on_policy_s", time.perf_counter() - t)
-        logits = self._logits(self.draft, b)  # (B, T-1, V)
+        logits = b.logits(self.draft)  # (B, T-1, V)
         tlogits = self._target_logits(b)
         V = logits.shape[-1]
         logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)

@@ -32,6 +32,12 @@ class Batch:
             return None
         return (self.mask.long().cumsum(1) - 1).clamp_min(0)
 
+    def logits(self, model) -> torch.Tensor:
+        """(B, T-1, V) logits at every position but the last (whose prediction has no label), padding-aware."""
+        pos = self.positions()
+        return model(input_ids=self.ids[:, :-1], attention_mask=None if self.mask is None else self.mask[:, :-1],
+                     position_ids=None if pos is None else pos[:, :-1]).logits
+
 
 class OnPolicy:
     """Turns a fixed-corpus batch into a mixed one: its first round(fraction * B) rows are replaced by prompts
