@@ -12,20 +12,31 @@ import time
 import torch
 from transformers import DynamicCache
 
+from sampling.feature import is_feature_draft
+
 
 class _Stepper:
     """A model with a warm KV cache over `context`; each call times one forward over `n` new tokens, then crops."""
 
     def __init__(self, model, context: torch.Tensor):
         self.model, self.context = model, context
-        self.cache = DynamicCache(config=model.config)
-        model(input_ids=context, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.extra = lambda n: {}
+        if is_feature_draft(model):  # a drafting step reads its own previous output (width H) as the feature
+            width = model.config.hidden_size
+            self.extra = lambda n: {"features": torch.randn(1, n, width, dtype=model.dtype)}
+            self.cache = model.new_cache()
+        else:
+            self.cache = DynamicCache(config=model.config)
+        L = context.shape[1]
+        model(input_ids=context, position_ids=torch.arange(L)[None], cache=self.cache, use_cache=True,
+              logits_to_keep=1, **self.extra(L))
 
     def __call__(self, n: int) -> float:
         L = self.context.shape[1]
+        extra = self.extra(n)
         t = time.perf_counter()
         self.model(input_ids=self.context[:, :n], position_ids=torch.arange(L, L + n)[None], cache=self.cache,
-                   use_cache=True, logits_to_keep=n)
+                   use_cache=True, logits_to_keep=n, **extra)
         dt = time.perf_counter() - t
         self.cache.crop(-n)
         return dt

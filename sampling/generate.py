@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+from sampling.feature import is_feature_draft
 from sampling.models import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
 from sampling.probs import SamplingConfig
 from sampling.pruned import prune_from_dir
@@ -25,7 +27,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    ap.add_argument("-k", type=int, default=4, help="draft tokens per loop (default: %(default)s)")
+    ap.add_argument("-k", default="4", help="draft tokens per loop, or 'auto': chosen before each loop from the "
+                    "running acceptance and the measured costs (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=0)
@@ -38,25 +41,46 @@ def parse_args(argv=None):
                     help="precision of both models (auto: the faster one for decoding on this machine, measured once)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="allow a model whose config asks to run its own Python code (never the default)")
     return ap.parse_args(argv)
+
+
+def _k(value: str):
+    if value == "auto":
+        return "auto"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"-k must be an integer >= 1 or 'auto', got {value!r}")
+    return int(value)
+
+
+def _card_alpha(draft_dir: str) -> float:
+    """The bundle card's alpha (BUNDLE/speculative.json beside BUNDLE/draft) as k=auto's prior, else 0.5."""
+    card = Path(draft_dir).resolve().parent / "speculative.json"
+    try:
+        return min(0.95, float(json.loads(card.read_text())["alpha"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.5
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before loading anything
-        if args.k < 1:
-            raise ValueError(f"-k must be >= 1, got {args.k}")
+        k = _k(args.k)
         if not args.prompt:
             raise ValueError("the prompt is empty: pass --prompt TEXT")
         if args.threads:
             torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
-        target = load_model(args.target, args.dtype)
+        target = load_model(args.target, args.dtype, trust_remote_code=args.trust_remote_code)
         draft = None
         if args.draft:
             check_same_tokenizer(tok, load_tokenizer(args.draft))
-            draft = load_model(args.draft, args.dtype)
+            draft = load_model(args.draft, args.dtype, trust_remote_code=args.trust_remote_code)
+            if args.draft_vocab and is_feature_draft(draft):
+                raise ValueError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
+                                 "training (draft.draft_vocab)")
             if args.draft_vocab:
                 try:
                     draft = prune_from_dir(draft, args.draft, args.draft_vocab, [tok.eos_token_id])
@@ -73,7 +97,8 @@ def main(argv=None) -> int:
         if draft is None:
             gen = autoregressive_generate(target, ids, **common)
         else:
-            gen = speculative_generate(target, draft, ids, k=args.k, **common)
+            extra = {"alpha_prior": _card_alpha(args.draft)} if k == "auto" else {}
+            gen = speculative_generate(target, draft, ids, k=k, **common, **extra)
     except (ValueError, ModelNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from sampling import precision
+from sampling.feature import FeatureDraft, is_feature_dir
 
 # The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
 # a native-bf16 EPYC and 7-70x slower for any real matmul on an AVX2-only one. `auto` measures; it is the default.
@@ -199,9 +200,11 @@ def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
     return _publish(tmp, out)
 
 
-def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role: str = "decode"):
+def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role: str = "decode",
+               trust_remote_code: bool = False):
     """A frozen causal LM in eval mode. dtype `auto` picks the faster precision for `role` on this machine:
-    `decode` (batch-1 sampling: the model itself is timed once) or `teacher` (passes over many tokens)."""
+    `decode` (batch-1 sampling: the model itself is timed once) or `teacher` (passes over many tokens).
+    A checkpoint whose config asks to run its own code (`auto_map`) is refused unless trust_remote_code."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPE_CHOICES:
@@ -209,23 +212,52 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     if role not in ("decode", "teacher"):
         raise ValueError(f"role must be decode or teacher, got {role!r}")
     path = resolve(name)
+    check_remote_code(path, trust_remote_code)
     cuda = str(device).startswith("cuda")
     explicit = dtype != "auto"
+    if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)
+        chosen = DTYPES[dtype] if explicit else (DTYPES[precision.cuda_dtype()] if cuda else torch.float32)
+        return check_finite(FeatureDraft.from_pretrained(path, chosen).to(device).requires_grad_(False), path)
     if not explicit and cuda:
         dtype = precision.cuda_dtype()
     elif not explicit and role == "teacher":
         dtype = precision.resolve("auto", "teacher")
     elif not explicit:  # batch-1 decoding: the verdict depends on the model's own shapes, so time the model
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model = model.eval().requires_grad_(False)
+        check_finite(model, path)
         dtype = precision.decode_dtype(model)
         if dtype == "fp32":
             return model
         # loaded again, not cast: `.to(bf16)` would also cast buffers (RoPE's inv_freq) that from_pretrained keeps
         # in fp32, and the model would differ from the one a user loads with dtype=bf16
         del model
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model = model.to(device).eval().requires_grad_(False)
     if explicit and not cuda:
         precision.check_choice(dtype, role, model)
+    return check_finite(model, path)
+
+
+def check_remote_code(path: Path, allowed: bool) -> None:
+    """A config with `auto_map` makes transformers import Python shipped with the checkpoint: never by default."""
+    import json
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelNotFound(f"{path}/config.json is not readable JSON ({type(e).__name__}: {e})") from None
+    if "auto_map" in cfg and not allowed:
+        raise ModelNotFound(f"{path} asks to run its own Python code (auto_map in config.json); refused. If you "
+                            "trust it, pass --trust-remote-code (training: target.trust_remote_code=true)")
+
+
+def check_finite(model, path):
+    """Refuse weights holding NaN or Inf (a diverged run, a damaged file): they would poison every p or q."""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ModelNotFound(f"{path}: weight {name} holds NaN or Inf values; use an earlier checkpoint "
+                                "(or re-export) of this model")
     return model
 
 

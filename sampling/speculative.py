@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
 from sampling.rejection import expected_acceptance, verify
 from sampling.stats import GenerationStats
@@ -35,11 +36,12 @@ class _Decoder:
 
     def __init__(self, model):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = model.new_cache() if hasattr(model, "new_cache") else DynamicCache(config=model.config)
         self.valid: torch.Tensor | None = None  # (B, S) bool
 
-    def __call__(self, tokens, positions, valid, logits_to_keep: int):
-        """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V))."""
+    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
+        """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V)).
+        `extra`: a feature draft's `features`."""
         mask = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
         out = self.model(
             input_ids=tokens,
@@ -48,6 +50,7 @@ class _Decoder:
             cache=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **extra,
         )
         self.valid = mask
         return out
@@ -125,6 +128,8 @@ def _check_inputs(models, input_ids, attention_mask, max_new_tokens, k=None):
 
 
 def _vocab_size(model) -> int:
+    if is_feature_draft(model):
+        return model.config.vocab_size
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
@@ -138,10 +143,26 @@ def _last_probs(out, cfg: SamplingConfig) -> torch.Tensor:
     return small.new_zeros(small.shape[0], out.vocab).index_copy_(-1, ids, small)
 
 
-def _prefill(dec: _Decoder, input_ids, attention_mask, logits_to_keep=1):
+def _last_argmax(out) -> torch.Tensor:
+    """(B,) greedy token at the last position: an argmax of the logits, no distribution built (temperature 0)."""
+    ids = getattr(out, "token_ids", None)
+    if ids is None:
+        return out.logits[:, -1].argmax(-1)
+    return ids[out.sub_logits[:, -1].argmax(-1)]
+
+
+def _next_token(out, cfg: SamplingConfig, generator):
+    """(p (B, V) or None when greedy, token (B,)) at the last position."""
+    if cfg.greedy:
+        return None, _last_argmax(out)
+    p = _last_probs(out, cfg)
+    return p, sample(p, generator)
+
+
+def _prefill(dec: _Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-    return dec(input_ids, positions, valid, logits_to_keep)
+    return dec(input_ids, positions, valid, logits_to_keep, **extra)
 
 
 @torch.inference_mode()
@@ -173,8 +194,7 @@ def autoregressive_generate(
     stats.prefill_s = time.perf_counter() - t0
     stats.record_loop(0)
     while True:
-        probs = _last_probs(out, cfg)
-        tok = probs.argmax(-1) if cfg.greedy else sample(probs, generator)
+        _, tok = _next_token(out, cfg, generator)
         done, kept = rows.emit([[x] for x in tok.tolist()])
         stats.new_tokens += kept
         stats.record_loop(kept)
@@ -194,6 +214,149 @@ def autoregressive_generate(
     return Generation(rows.tensors(input_ids.device), stats)
 
 
+class _ModelDrafter:
+    """An independent draft (the paper's): its own KV cache, fed the tokens it proposed."""
+
+    def __init__(self, draft, tap=None):
+        self.dec = _Decoder(draft)
+        self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
+
+    def prefill(self, input_ids, head_mask):
+        _prefill(self.dec, input_ids[:, :-1], head_mask)
+        B = input_ids.shape[0]
+        self.backlog = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        self.has_backlog = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+
+    def start(self, B, dev):  # a one-token prompt: nothing to prefill
+        self.backlog = torch.zeros(B, dtype=torch.long, device=dev)
+        self.has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
+
+    def propose(self, pending, pos, K, cfg, generator):
+        ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
+        self.fed_backlog = bool(self.has_backlog.any())
+        if self.fed_backlog:
+            out = self.dec(torch.stack([self.backlog, pending], 1), torch.stack([pos - 1, pos], 1),
+                           torch.stack([self.has_backlog, ones[:, 0]], 1), 1)
+        else:
+            out = self.dec(pending[:, None], pos[:, None], ones, 1)
+        p_list, d_list = [], []
+        for i in range(K):
+            p_i, d_i = _next_token(out, cfg, generator)  # (Bn, V) or None when greedy, (Bn,)
+            p_list.append(p_i)
+            d_list.append(d_i)
+            if i < K - 1:
+                out = self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1)
+        return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+
+    def accept(self, n, drafts, nxt, pos, features, last: bool):
+        """Roll the cache back to what it was fed of the accepted prefix (its last draft token is never fed)."""
+        K = drafts.shape[1]
+        new = torch.arange(K, device=n.device)[None, :] <= n[:, None]  # pending, d_1..d_{K-1}
+        if self.fed_backlog:
+            new = torch.cat([self.has_backlog[:, None], new], 1)
+        self.dec.settle(new)
+        self.has_backlog = n == K
+        self.backlog = drafts[:, -1]
+
+    def select(self, live):
+        self.dec.select(live)
+        self.backlog, self.has_backlog = self.backlog[live], self.has_backlog[live]
+
+
+class _FeatureDrafter:
+    """A feature draft (EAGLE-3; `feature.py`). Draft slot j reads token x_{j+1} and the target's features at
+    position j. Its cache holds only slots fed with the target's features: after each verification the slots it
+    filled with its own outputs are dropped, and the kept positions are fed again with the target's features from
+    that verification pass (they are exact there, its own were guesses)."""
+
+    def __init__(self, draft, tap):
+        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft)
+        self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
+
+    def prefill(self, input_ids, head_mask):
+        features = self.tap.take()  # the target's, at positions 0..L-2
+        out = _prefill(self.dec, input_ids[:, 1:], head_mask, None, features=features)
+        self.hidden = out.hidden[:, -1:]
+
+    def start(self, B, dev):
+        self.hidden = None  # a one-token prompt: the first loop drafts nothing (K = 0)
+
+    def propose(self, pending, pos, K, cfg, generator):
+        out = self.draft.head(self.hidden)
+        ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
+        p_list, d_list = [], []
+        for i in range(K):
+            p_i, d_i = _next_token(out, cfg, generator)
+            p_list.append(p_i)
+            d_list.append(d_i)
+            if i < K - 1:  # slot pos + i: its own output stands in for the target's feature
+                out = self.dec(d_i[:, None], (pos + i)[:, None], ones, 1, features=out.hidden)
+        self.own = K - 1
+        return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+
+    def accept(self, n, drafts, nxt, pos, features, last: bool):
+        B = n.shape[0]
+        if getattr(self, "own", 0) > 0:
+            self.dec.settle(torch.zeros(B, self.own, dtype=torch.bool, device=n.device))
+        self.own = 0
+        if last:
+            return
+        m = int(n.max()) + 1  # rows that accepted fewer leave holes (masked), as in the target's cache
+        steps = torch.arange(m, device=n.device)
+        rows = torch.arange(B, device=n.device)
+        tokens = torch.cat([drafts, nxt[:, None]], 1)[:, :m].clone()
+        tokens[rows, n] = nxt  # slot pos + i reads x_{pos+i+1}: d_{i+1}, then the emitted token
+        valid = steps[None, :] <= n[:, None]
+        out = self.dec(tokens, pos[:, None] + steps, valid, None, features=features[:, :m])
+        self.hidden = out.hidden[rows, n][:, None]
+
+    def select(self, live):
+        self.dec.select(live)
+        self.hidden = self.hidden[live]
+
+
+_COSTS: dict = {}  # (id(target), id(draft)) -> measured cost model, for k="auto" without a given one
+
+
+class KChooser:
+    """K per loop (k="auto"): maximise the expected tokens per unit of time of the DESIGN speed-up model,
+    sum_rows (1 - a_r^(K+1)) / (1 - a_r) / (K c + v(K)), with a_r each row's posterior mean acceptance (a Beta
+    prior of weight `strength` tokens at `alpha_prior`, updated with the row's tested and accepted drafts)."""
+
+    def __init__(self, target, draft, rows: int, k_max: int, cost: dict | None, alpha_prior: float,
+                 strength: float = 8.0):
+        if not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1, got {k_max}")
+        if not 0.0 <= alpha_prior < 1.0:
+            raise ValueError(f"alpha_prior must be in [0, 1), got {alpha_prior}")
+        if cost is None:
+            key = (id(target), id(draft))
+            if key not in _COSTS:
+                from sampling.cost import measure_costs
+
+                _COSTS[key] = measure_costs(target, draft, ks=range(1, k_max + 1), reps=5)
+            cost = _COSTS[key]
+        v = {int(kk): float(x) for kk, x in cost["v"].items()}
+        self.ks = [kk for kk in range(1, k_max + 1) if kk in v]
+        if not self.ks:
+            raise ValueError(f"the cost model has no v(K) for K in 1..{k_max}")
+        self.time = torch.tensor([kk * float(cost["c"]) + v[kk] for kk in self.ks], dtype=torch.float64)
+        self.accepted = torch.full((rows,), alpha_prior * strength, dtype=torch.float64)
+        self.tested = torch.full((rows,), strength, dtype=torch.float64)
+
+    def choose(self, active: torch.Tensor) -> int:
+        a = (self.accepted[active.cpu()] / self.tested[active.cpu()]).clamp(max=1 - 1e-6)[:, None]
+        kk = torch.tensor(self.ks, dtype=torch.float64)[None, :]
+        tokens = (1 - a ** (kk + 1)) / (1 - a)  # (rows, K)
+        return self.ks[int((tokens.sum(0) / self.time).argmax())]
+
+    def update(self, active: torch.Tensor, n: torch.Tensor, K: int) -> None:
+        idx = active.cpu()
+        n = n.cpu().double()
+        self.accepted[idx] += n
+        self.tested[idx] += torch.clamp(n + 1, max=K)  # drafts that reached the test
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -201,72 +364,89 @@ def speculative_generate(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
-    k: int = 4,
+    k: int | str = 4,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     eos_token_id=None,
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
+    k_max: int = 8,
+    cost: dict | None = None,
+    alpha_prior: float = 0.5,
 ) -> Generation:
     """Speculative sampling (SpS, Chen et al. 2023, Algorithm 2): output distributed exactly as the target's.
 
+    k="auto" chooses K before each loop (`KChooser`): from each row's running acceptance (prior `alpha_prior`,
+    e.g. a bundle card's alpha) and the cost model's c and v(K) (`cost`, as `sampling.cost.measure_costs`
+    returns; measured once per model pair when not given), up to `k_max`. Exact: K is fixed before the draft runs.
+
     Each loop: the draft proposes K tokens autoregressively from its processed distribution p; the target
     scores all K+1 positions in one pass (q); `rejection.verify` keeps a prefix and emits one more token.
-    temperature 0 is greedy and reproduces the target's greedy decoding.
+    temperature 0 is greedy and reproduces the target's greedy decoding. `draft` is an independent causal LM
+    or a feature draft (`sampling.feature.FeatureDraft`), which reads the target's hidden states.
     """
     cfg = SamplingConfig(temperature, top_k, top_p)
+    chooser = None
+    if k == "auto":
+        chooser = KChooser(target, draft, input_ids.shape[0], k_max, cost, alpha_prior)
+        k = k_max
     _check_inputs([target, draft], input_ids, attention_mask, max_new_tokens, k)
     if _vocab_size(target) != _vocab_size(draft):
         raise ValueError(
             f"draft vocabulary ({_vocab_size(draft)}) differs from the target's ({_vocab_size(target)}): "
             "the draft must share the target's tokenizer and vocabulary"
         )
+    tap = None
+    if is_feature_draft(draft):
+        draft.config.check_target(target.config)
+        tap = FeatureTap(target, draft.feature_layers)
+    try:
+        return _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg,
+                                 eos_token_id, generator, chooser)
+    finally:
+        if tap is not None:
+            tap.close()
+
+
+def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg, eos_token_id,
+                      generator, chooser=None) -> Generation:
     t0 = time.perf_counter()
     B = input_ids.shape[0]
     dev = input_ids.device
     stats = GenerationStats(k=k, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, dev)
-    tgt, drf = _Decoder(target), _Decoder(draft)
+    tgt = _Decoder(target)
+    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap)
 
     # Both caches hold everything but the last token, `pending`, which each loop feeds first.
     pending = input_ids[:, -1]
     if input_ids.shape[1] > 1:
-        head, head_mask = input_ids[:, :-1], None if attention_mask is None else attention_mask[:, :-1]
-        _prefill(tgt, head, head_mask)
-        _prefill(drf, head, head_mask)
+        head_mask = None if attention_mask is None else attention_mask[:, :-1]
+        _prefill(tgt, input_ids[:, :-1], head_mask)
+        drafter.prefill(input_ids, head_mask)
         pos = tgt.valid.sum(1)
     else:
         pos = torch.zeros(B, dtype=torch.long, device=dev)
-    # A row whose K drafts were all accepted owes the draft its last draft token (never fed to it).
-    backlog = torch.zeros(B, dtype=torch.long, device=dev)
-    has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
+        drafter.start(B, dev)
     stats.prefill_s = time.perf_counter() - t0
     stats.record_loop(0)
 
     while True:
         Bn = pending.shape[0]
+        if chooser is not None:
+            k = chooser.choose(rows.index)
+            stats.k_per_loop.append(k)
         K = max(1, min(k, rows.max_remaining() - 1))  # no drafting past the end of every row
-        ones = torch.ones(Bn, 1, dtype=torch.bool, device=dev)
+        if getattr(drafter, "hidden", True) is None:
+            K = 0  # a feature draft before its first target features: this loop is one plain target step
 
         # 1. Draft K tokens.
         t = time.perf_counter()
-        fed_backlog = bool(has_backlog.any())
-        if fed_backlog:
-            out = drf(torch.stack([backlog, pending], 1), torch.stack([pos - 1, pos], 1),
-                      torch.stack([has_backlog, ones[:, 0]], 1), 1)
+        if K:
+            p, drafts = drafter.propose(pending, pos, K, cfg, generator)  # (Bn, K, V), (Bn, K)
         else:
-            out = drf(pending[:, None], pos[:, None], ones, 1)
-        p_list, d_list = [], []
-        for i in range(K):
-            p_i = _last_probs(out, cfg)  # (Bn, V)
-            d_i = p_i.argmax(-1) if cfg.greedy else sample(p_i, generator)
-            p_list.append(p_i)
-            d_list.append(d_i)
-            if i < K - 1:
-                out = drf(d_i[:, None], (pos + 1 + i)[:, None], ones, 1)
-        p = torch.stack(p_list, 1)  # (Bn, K, V)
-        drafts = torch.stack(d_list, 1)  # (Bn, K)
+            drafts = torch.zeros(Bn, 0, dtype=torch.long, device=dev)
         stats.draft_s += time.perf_counter() - t
         stats.draft_calls += K
 
@@ -274,43 +454,54 @@ def speculative_generate(
         t = time.perf_counter()
         block = torch.cat([pending[:, None], drafts], 1)  # (Bn, K+1)
         steps = torch.arange(K + 1, device=dev)
-        positions = pos[:, None] + steps
-        q = process_logits(tgt(block, positions, torch.ones_like(block, dtype=torch.bool), K + 1).logits, cfg)
+        logits = tgt(block, pos[:, None] + steps, torch.ones_like(block, dtype=torch.bool), K + 1).logits
+        features = tap.take() if tap is not None else None
         stats.target_s += time.perf_counter() - t
         stats.target_calls += 1
 
-        # 3. Accept or reject.
-        n, nxt = verify(p, q, drafts, generator)  # (Bn,), (Bn,)
+        # 3. Accept or reject. Greedy (temperature 0) is the same rule on one-hot p and q: keep the drafts that
+        #    equal the target's argmax, then emit its argmax; no distribution is built.
+        if cfg.greedy:
+            best = logits.argmax(-1)  # (Bn, K+1)
+            match = drafts == best[:, :K]
+            n = match.long().cumprod(-1).sum(-1)
+            nxt = best.gather(1, n[:, None]).squeeze(1)
+            accept = match.float()  # sum_x min(p, q) of two one-hot distributions
+        else:
+            q = process_logits(logits, cfg)
+            if K:
+                n, nxt = verify(p, q, drafts, generator)  # (Bn,), (Bn,)
+                accept = expected_acceptance(p, q[:, :K])
+            else:
+                n, nxt = torch.zeros(Bn, dtype=torch.long, device=dev), sample(q[:, 0], generator)
+        if K:
+            was_tested = steps[None, :K] <= n[:, None]  # (Bn, K): positions up to the first rejection were tested
+            stats.alpha_analytic_sum += float((accept * was_tested).sum())
+            for a in n.tolist():
+                stats.record_row(a, K)
+            if chooser is not None:
+                chooser.update(rows.index, n, K)
         n_list = n.tolist()
-        was_tested = steps[None, :K] <= n[:, None]  # (Bn, K): positions up to the first rejection were tested
-        stats.alpha_analytic_sum += float((expected_acceptance(p, q[:, :K]) * was_tested).sum())
-        for a in n_list:
-            stats.record_row(a, K)
 
-        # 4. Roll both caches back to the accepted prefix: the target holds pending + n accepted drafts;
-        #    the draft also holds what it was fed of them (its last draft token is never fed).
-        tgt.settle(steps[None, :] <= n[:, None])
-        draft_new = steps[None, :K] <= n[:, None]  # pending, d_1..d_{K-1}
-        if fed_backlog:
-            draft_new = torch.cat([has_backlog[:, None], draft_new], 1)
-        drf.settle(draft_new)
-        has_backlog = n == K
-        backlog = drafts[:, -1]
-        pos = pos + n + 1
-        pending = nxt
-
-        # 5. Emit, honouring max_new_tokens and EOS per row.
+        # 4. Emit, honouring max_new_tokens and EOS per row.
         d_rows, nxt_list = drafts.tolist(), nxt.tolist()
         done, kept = rows.emit([d_rows[i][: n_list[i]] + [nxt_list[i]] for i in range(Bn)])
         stats.new_tokens += kept
         stats.record_loop(kept)
+
+        # 5. Roll both caches back to the accepted prefix: the target holds pending + n accepted drafts.
+        tgt.settle(steps[None, :] <= n[:, None])
+        t = time.perf_counter()
+        drafter.accept(n, drafts, nxt, pos, features, last=bool(done.all()))
+        stats.draft_s += time.perf_counter() - t
+        pos = pos + n + 1
+        pending = nxt
         if bool(done.all()):
             break
         if bool(done.any()):
             live = (~done).nonzero().squeeze(1)
             rows.index, pending, pos = rows.index[live], pending[live], pos[live]
-            backlog, has_backlog = backlog[live], has_backlog[live]
             tgt.select(live)
-            drf.select(live)
+            drafter.select(live)
     stats.total_s = time.perf_counter() - t0
     return Generation(rows.tensors(dev), stats)

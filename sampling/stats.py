@@ -42,6 +42,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     loop_end_s: list[float] = field(default_factory=list)  # perf_counter at the end of each loop
     loop_tokens: list[int] = field(default_factory=list)  # tokens emitted in that loop (all rows)
+    k_per_loop: list[int] = field(default_factory=list)  # k="auto": the K chosen before each loop
 
     def record_loop(self, tokens: int) -> None:
         import time

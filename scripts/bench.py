@@ -2,6 +2,7 @@
 
     python scripts/bench.py --target smollm2-135m --draft outputs/.../best_draft
     python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
+    python scripts/bench.py --draft SHALLOW_WIDE_DIR FEATURE_HEAD_DIR      # both kinds side by side, one run
 
 Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
 ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
@@ -25,6 +26,7 @@ from scipy.stats import ks_2samp, mannwhitneyu
 
 from sampling import autoregressive_generate, speculative_generate
 from sampling.cost import best_k, measure_costs, predicted_speedup
+from sampling.feature import is_feature_draft
 from sampling.models import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
 from sampling.precision import describe_run, run_info
 from sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
@@ -56,13 +58,17 @@ def target_logprob(target, prompt_ids, new_tokens) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", required=True, help="draft checkpoint dir (e.g. a run's best_draft)")
+    ap.add_argument("--draft", required=True, nargs="+",
+                    help="draft checkpoint dir(s) (a run's best_draft): independent or feature drafts; several are "
+                         "measured side by side against the same ArS runs")
     ap.add_argument("--prompts", nargs="+", default=["code", "english"],
                     help="shipped prompt sets (code, english) or JSONL files with a `prompt` field (optional `domain`)")
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="K of Table 1")
     ap.add_argument("--k-sweep", type=int, nargs="+", default=list(range(0, 9)), help="Ks of Figure 1 (0 = ArS)")
+    ap.add_argument("--k-auto", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run k=auto (K chosen per loop from the running acceptance and the measured c, v(K))")
     ap.add_argument("--draft-vocab", type=int, default=0, help="prune the draft head to the N most frequent tokens")
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
@@ -73,77 +79,108 @@ def main(argv=None) -> int:
     try:
         tok = load_tokenizer(args.target)
         target = load_model(args.target, args.dtype)
-        full_draft = load_model(args.draft, args.dtype)
+        full_drafts = {}
+        for d in args.draft:
+            full_drafts[_label(d, full_drafts)] = load_model(d, args.dtype)
         rows = [r for f in args.prompts for r in load_prompts(f, args.n_prompts)]
     except (ModelNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    draft = full_draft
-    if args.draft_vocab:
-        draft = pruned_draft(full_draft, Path(args.draft), tok, args.draft_vocab)
+    drafts = dict(full_drafts)
+    if args.draft_vocab:  # the pruned head of an independent draft (a feature draft's head is set in training)
+        drafts = {n: d if is_feature_draft(d) else pruned_draft(d, Path(p), tok, args.draft_vocab)
+                  for (n, d), p in zip(full_drafts.items(), args.draft)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     N = args.max_new_tokens
     rng = random.Random(args.seed)
 
-    print("measuring c and v(K)...", file=sys.stderr)
-    with torch.inference_mode():
-        cost = measure_costs(target, draft, ks=sorted({k for k in args.k_sweep if k > 0} | {args.k}))
-    full_full_c = None
-    if args.draft_vocab:
+    ks_cost = sorted({k for k in args.k_sweep if k > 0} | {args.k})
+    costs, full_cs = {}, {}
+    for name, draft in drafts.items():
+        print(f"measuring c and v(K) of {name}...", file=sys.stderr)
         with torch.inference_mode():
-            full_full_c = measure_costs(target, full_draft, ks=(1,), reps=7)["c"]
-    for d in {id(full_draft): full_draft}.values():
-        d.generation_config.update(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
-                                   assistant_confidence_threshold=0.0)
+            costs[name] = measure_costs(target, draft, ks=ks_cost)
+            if args.draft_vocab and draft is not full_drafts[name]:
+                full_cs[name] = measure_costs(target, full_drafts[name], ks=(1,), reps=7)["c"]
+    # transformers' assisted generation takes an independent draft only (no EAGLE path)
+    assistant = next((d for d in full_drafts.values() if not is_feature_draft(d)), None)
+    if assistant is not None:
+        assistant.generation_config.update(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
 
-    ks = sorted(set(args.k_sweep) | {0, args.k})
+    ks = sorted(set(args.k_sweep) | {args.k})
     runs = []  # one record per (prompt, config)
     for i, row in enumerate(rows):
         domain = row["domain"]
         T, P = DOMAIN_SETTINGS.get(domain, (0.8, 0.95))
         ids = tok(row["prompt"], return_tensors="pt").input_ids
-        configs = [("ours", k) for k in ks] + ([("hf_generate", 0), ("hf_assisted", args.k)] if args.peers else [])
+        configs = [("ours", None, 0)] + [("ours", n, k) for n in drafts for k in ks if k > 0]
+        if args.k_auto:
+            configs += [("ours", n, "auto") for n in drafts]
+        if args.peers:
+            configs += [("hf_generate", None, 0)] + ([("hf_assisted", None, args.k)] if assistant is not None else [])
         rng.shuffle(configs)
-        for name, k in configs:
+        for name, dname, k in configs:
             g = torch.Generator().manual_seed(args.seed * 1000 + i)
             common = dict(max_new_tokens=N, temperature=T, top_p=P, generator=g)
             if name == "ours" and k == 0:
                 gen = autoregressive_generate(target, ids, **common)
+            elif name == "ours" and k == "auto":
+                gen = speculative_generate(target, drafts[dname], ids, k="auto", k_max=max(ks), cost=costs[dname],
+                                           **common)
             elif name == "ours":
-                gen = speculative_generate(target, draft, ids, k=k, **common)
+                gen = speculative_generate(target, drafts[dname], ids, k=k, **common)
             else:
                 import time
 
                 hf = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=T, top_p=P, top_k=0,
                           pad_token_id=tok.eos_token_id)
                 if name == "hf_assisted":
-                    hf["assistant_model"] = full_draft
+                    hf["assistant_model"] = assistant
                 t = time.perf_counter()
                 with torch.inference_mode():
                     target.generate(ids, **hf)
                 runs.append({"prompt": i, "domain": domain, "config": name, "k": k, "time_s": time.perf_counter() - t})
                 continue
             s = gen.stats
-            rec = {"prompt": i, "domain": domain, "config": "ars" if k == 0 else "sps", "k": k,
+            rec = {"prompt": i, "domain": domain, "config": "ars" if k == 0 else "sps", "k": k, "draft": dname,
                    "time_s": s.total_s, "new_tokens": s.new_tokens, "target_calls": s.target_calls,
                    "alpha": s.alpha, "alpha_analytic": s.alpha_analytic, "tokens_per_call": s.tokens_per_call,
                    "token_ms": s.token_latencies_ms(), "draft_s": s.draft_s, "target_s": s.target_s,
                    "overhead_s": s.overhead_s}
+            if k == "auto":
+                rec["k_per_loop"] = s.k_per_loop
             if k in (0, args.k):
                 rec["target_logprob"] = target_logprob(target, ids, gen.tokens[0])
             runs.append(rec)
         print(f"prompt {i + 1}/{len(rows)} ({domain}) done", file=sys.stderr, flush=True)
 
-    result = summarise(runs, cost, args, full_full_c)
-    info = run_info(target=target, draft=full_draft)
-    (out_dir / "bench.json").write_text(json.dumps({"args": vars(args), **info, "cost": cost, **result, "runs": runs},
-                                                   indent=2, default=float))
-    plot(result, out_dir / "figure1.png", args)
-    print_tables(result, cost, args, full_full_c)
+    by_draft = {}
+    for n in drafts:  # each draft's SpS runs against the shared ArS and peer runs
+        mine = [r for r in runs if r.get("draft") in (None, n)]
+        by_draft[n] = summarise(mine, costs[n], args, full_cs.get(n))
+    info = run_info(target=target, **{f"draft:{n}": d for n, d in full_drafts.items()})
+    first = next(iter(by_draft))
+    out = {"args": vars(args), **info, "cost": costs[first], **by_draft[first], "costs": costs, "by_draft": by_draft,
+           "draft_kinds": {n: "feature_head" if is_feature_draft(d) else "independent" for n, d in drafts.items()},
+           "runs": runs}
+    (out_dir / "bench.json").write_text(json.dumps(out, indent=2, default=float))
+    plot(by_draft, out_dir / "figure1.png", args)
+    for n, result in by_draft.items():
+        print(f"\n=== draft {n} ({out['draft_kinds'][n]}) ===")
+        print_tables(result, costs[n], args, full_cs.get(n))
     print(f"measured on: {describe_run(info)}")
     print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'figure1.png'}")
     return 0
+
+
+def _label(path: str, taken) -> str:
+    """A short unique name: the run directory's name for a run's best_draft (or a bundle's draft/), else the
+    directory's."""
+    p = Path(path)
+    name = p.parent.name if p.name in ("best_draft", "draft") else p.name
+    return name if name not in taken else f"{name}#{len(taken)}"
 
 
 def summarise(runs, cost, args, full_c):
@@ -180,7 +217,7 @@ def summarise(runs, cost, args, full_c):
         table1[d] = row
     figure1 = {}
     alpha_all = statistics.mean(r["alpha"] for r in by(config="sps", k=args.k))
-    for k in sorted({r["k"] for r in runs if r["config"] in ("ars", "sps")}):
+    for k in sorted({r["k"] for r in runs if r["config"] in ("ars", "sps") and r["k"] != "auto"}):
         rs = [r for r in runs if r["config"] in ("ars", "sps") and r["k"] == k]
         ars_t = {(r["prompt"]): r["time_s"] for r in by(config="ars")}
         loops = [r["target_calls"] for r in rs]
@@ -194,35 +231,49 @@ def summarise(runs, cost, args, full_c):
             "predicted_speedup": 1.0 if k == 0 else predicted_speedup(alpha_k, k, cost["c"], cost["v"][k]),
         }
     rec_k, rec_s = best_k(alpha_all, cost["c"], {k: v for k, v in cost["v"].items()})
+    auto = by(config="sps", k="auto")
+    k_auto = None
+    if auto:
+        ars_t = {r["prompt"]: r["time_s"] for r in by(config="ars")}
+        best_fixed = max((k for k in figure1 if k), key=lambda k: figure1[k]["measured_speedup"], default=None)
+        k_auto = {"measured_speedup": statistics.median(ars_t[r["prompt"]] / r["time_s"] for r in auto),
+                  "alpha": statistics.mean(r["alpha"] for r in auto),
+                  "mean_k": statistics.mean(k for r in auto for k in r["k_per_loop"]),
+                  "best_fixed_k": best_fixed,
+                  "best_fixed_speedup": figure1[best_fixed]["measured_speedup"] if best_fixed else None}
     return {"table1": table1, "figure1": figure1, "recommended_k": rec_k, "recommended_k_predicted": rec_s,
-            "c_full_head": full_c}
+            "c_full_head": full_c, "k_auto": k_auto}
 
 
-def plot(result, path, args):
+def plot(by_draft: dict, path, args):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    f1 = result["figure1"]
-    ks = sorted(f1)
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
-    mean = [f1[k]["time_s"]["mean"] * 1e3 for k in ks]
-    std = [f1[k]["time_s"]["std"] * 1e3 for k in ks]
-    ax[0].errorbar(ks, mean, yerr=std, marker="o", capsize=3)
+    for name, result in by_draft.items():
+        f1 = result["figure1"]
+        ks = sorted(f1)
+        mean = [f1[k]["time_s"]["mean"] * 1e3 for k in ks]
+        std = [f1[k]["time_s"]["std"] * 1e3 for k in ks]
+        line = ax[0].errorbar(ks, mean, yerr=std, marker="o", capsize=3, label=name)[0]
+        color = line.get_color()
+        ax[1].plot(ks, [f1[k]["acceptance_efficiency"] for k in ks], marker="o", color=color, label=name)
+        ax[2].plot(ks, [f1[k]["ms_per_loop"] for k in ks], marker="o", color=color, label=name)
+        ax[3].plot(ks, [f1[k]["predicted_speedup"] for k in ks], "--", marker="x", color=color,
+                   label=f"{name}: predicted (measured c, v(K))")
+        ax[3].plot(ks, [f1[k]["measured_speedup"] for k in ks], "-", marker="s", color=color,
+                   label=f"{name}: measured")
     ax[0].set(xlabel="K", ylabel=f"ms for {args.max_new_tokens} tokens", title="Mean time to sample (± std)")
-    ax[1].plot(ks, [f1[k]["acceptance_efficiency"] for k in ks], marker="o")
     ax[1].set(xlabel="K", ylabel="mean tokens per loop / (K+1)", title="Acceptance efficiency", ylim=(0, 1.05))
-    ax[2].plot(ks, [f1[k]["ms_per_loop"] for k in ks], marker="o", label="measured")
     ax[2].set(xlabel="K", ylabel="ms per loop", title="Time per loop")
-    for a in ax:
-        a.grid(alpha=0.3)
-    ax[3].plot(ks, [f1[k]["predicted_speedup"] for k in ks], "g--", marker="x", label="predicted (measured c, v(K))")
-    ax[3].plot(ks, [f1[k]["measured_speedup"] for k in ks], "r-", marker="s", label="measured")
     ax[3].axhline(1.0, color="gray", lw=0.8)
     ax[3].set(xlabel="K", ylabel="speed-up vs ArS", title="Speed-up: model vs measurement")
-    ax[3].legend(fontsize=8)
-    fig.suptitle(f"{args.target} + {Path(args.draft).name}" + (f" (draft vocab {args.draft_vocab})"
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.suptitle(f"{args.target} + " + ", ".join(by_draft) + (f" (draft vocab {args.draft_vocab})"
                                                               if args.draft_vocab else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -255,6 +306,10 @@ def print_tables(result, cost, args, full_c):
         print(f"{k:>3}{v:>7.3f}{al:>7}{r['acceptance_efficiency']:>11.3f}{r['ms_per_loop']:>9.1f}"
               f"{r['time_s']['mean'] * 1e3:>9.0f}{r['predicted_speedup']:>9.2f}x{r['measured_speedup']:>8.2f}x")
     print(f"recommended K = {result['recommended_k']} (predicted {result['recommended_k_predicted']:.2f}x)")
+    a = result.get("k_auto")
+    if a:
+        print(f"k=auto: measured {a['measured_speedup']:.2f}x (mean K {a['mean_k']:.1f}, alpha {a['alpha']:.3f}); "
+              f"best fixed K {a['best_fixed_k']}: {a['best_fixed_speedup']:.2f}x")
     for d, r in result["table1"].items():
         gap = r["speedup_median"] / r["predicted_speedup"] - 1
         why = []

@@ -76,12 +76,17 @@ def target_sequences(q, prompt, budget, eos):
     return out
 
 
-def speculative_sequences(p, q, prompt, budget, k, eos):
-    """The distribution the sampler induces, loop by loop, as `speculative_generate` runs it at batch 1."""
+def speculative_sequences(p, q, prompt, budget, k, eos, feature=False):
+    """The distribution the sampler induces, loop by loop, as `speculative_generate` runs it at batch 1.
+    p(prefix) for an independent draft; for a feature draft (feature=True) p(verified, drafts), since its drafts
+    depend on where the target's features end, and a one-token verified sequence (no features yet) makes that loop
+    one plain target step."""
     out = defaultdict(float)
+    p_at = p if feature else (lambda verified, drafts: p(verified + drafts))
 
     def loop(seq, prob, left):
         K = max(1, min(k, left - 1))
+        verified = prompt + seq
 
         def emit(block, w):
             block, done = finish(block, left, eos)
@@ -90,16 +95,23 @@ def speculative_sequences(p, q, prompt, budget, k, eos):
             else:
                 loop(seq + block, w, left - len(block))
 
+        if feature and len(verified) == 1:
+            dist = q(verified)
+            for y in range(V):
+                if dist[y] > 0:
+                    emit([y], prob * dist[y].item())
+            return
+
         def draft(drafts, w):
             if len(drafts) < K:
-                dist = p(prompt + seq + drafts)
+                dist = p_at(verified, drafts)
                 for x in range(V):
                     if dist[x] > 0:
                         draft(drafts + [x], w * dist[x].item())
                 return
             reach = w
             for j in range(K):
-                pj, qj = p(prompt + seq + drafts[:j]), q(prompt + seq + drafts[:j])
+                pj, qj = p_at(verified, drafts[:j]), q(verified + drafts[:j])
                 x = drafts[j]
                 a = rejection.acceptance_probability(pj[x], qj[x]).item()
                 r = rejection.residual(pj, qj)

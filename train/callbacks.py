@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sampling import autoregressive_generate, speculative_generate
+from sampling.feature import is_feature_draft
 from sampling.cost import measure_costs, predicted_speedup
 from sampling.probs import SamplingConfig
 from train.evaluate import alpha_on_samples, target_samples
@@ -83,7 +84,7 @@ class AcceptanceCallback(L.Callback):
             b = self.on_target
             b = Batch(b.ids.to(dev), b.mask.to(dev), b.loss_mask.to(dev))
             metrics["val/alpha_on_target"] = alpha_on_samples(module.target, module.draft, b,
-                                                              SamplingConfig(**self.sampling))
+                                                              SamplingConfig(**self.sampling), k=self.k)
         if self.cost:
             metrics["val/c"] = self.cost["c"]
             metrics["val/predicted_speedup"] = predicted_speedup(s.alpha or 0.0, self.k, self.cost["c"],
@@ -97,6 +98,8 @@ class AcceptanceCallback(L.Callback):
     def _log_samples(self, trainer, module, gen):
         n = min(self.log_samples, len(self.prompts))
         ids, mask = self.prompts[:n].to(module.device), self.mask[:n].to(module.device)
+        if is_feature_draft(module.draft):  # it cannot write alone: it reads the target's features
+            return
         own = autoregressive_generate(module.draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
                                       generator=torch.Generator(device=module.device).manual_seed(self.seed),
                                       **self.sampling)

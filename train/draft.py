@@ -24,11 +24,13 @@ from sampling.models import ModelNotFound, cache_home, load_model, load_tokenize
 from sampling.precision import trainer_precision
 from train.callbacks import AcceptanceCallback
 from train.corpus import CorpusError, generate_corpus, load_blocks
+from train.feature import build_feature_draft
 from train.models import DraftConfig, build_draft
 from train.module import DraftModule
 from train.onpolicy import OnPolicy
 from train.report import final_report, print_report
 from train.setup import (
+    AtomicCheckpointIO,
     SetupError,
     check_data,
     check_writable,
@@ -37,6 +39,7 @@ from train.setup import (
     on_target_prompts,
     prompt_tensor,
     prompt_texts,
+    resume_checkpoint,
     split_prompts,
     validation_prompts,
 )
@@ -50,10 +53,12 @@ def train(cfg: DictConfig) -> dict:
     out_dir = check_writable(cfg.out_dir)
 
     # 1. The frozen target and its tokenizer, in the precision its teacher passes run fastest in on this machine.
+    resume = resume_checkpoint(out_dir, cfg.ckpt_path)  # a damaged checkpoint fails here, before any work
     tok = load_tokenizer(cfg.target.name)
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
-    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher")
+    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher",
+                        trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
     source = cfg.data.source
@@ -64,8 +69,14 @@ def train(cfg: DictConfig) -> dict:
     train_dl, val_dl = loaders(blocks, cfg)
     on_policy = _on_policy(cfg, tok, blocks, file_prompts)
 
-    # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary.
-    draft = build_draft(target, DraftConfig(**OmegaConf.to_container(cfg.draft)))
+    # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
+    token_counts = torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size)
+    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))
+    if draft_cfg.kind == "feature_head":
+        draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
+                                    _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head)
+    else:
+        draft = build_draft(target, draft_cfg)
     if draft.config.vocab_size != target.config.vocab_size:
         raise SetupError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
                          f"({target.config.vocab_size}); drafts must share the target's tokenizer")
@@ -73,7 +84,7 @@ def train(cfg: DictConfig) -> dict:
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
-                         on_policy=on_policy)
+                         on_policy=on_policy, unroll=draft_cfg.unroll)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
     on_target = on_target_prompts(cfg, tok, blocks, val_prompts)
@@ -90,11 +101,13 @@ def train(cfg: DictConfig) -> dict:
     trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
     if isinstance(trainer_kwargs.get("strategy"), dict):
         trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
+    elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
+        trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir), callbacks=[acceptance_cb, checkpoint_cb],
                         logger=loggers(cfg, out_dir))
 
     # 5. Train (ckpt_path=last resumes with optimizer, loops and best-checkpoint state).
-    trainer.fit(module, train_dl, val_dl, ckpt_path=cfg.ckpt_path, weights_only=True)
+    trainer.fit(module, train_dl, val_dl, ckpt_path=resume, weights_only=True)
 
     # 6. Report: save the best draft as a HF checkpoint, measure it and the cut-target baseline.
     if not trainer.is_global_zero:
@@ -103,7 +116,7 @@ def train(cfg: DictConfig) -> dict:
     report = final_report(target=target, module=module, tokenizer=tok, cfg=cfg, out_dir=out_dir,
                           checkpoint_cb=checkpoint_cb, acceptance_cb=acceptance_cb, wall_s=time.time() - t0,
                           tokens_per_s=float(tps) if tps is not None else None, precision=trainer.precision,
-                          token_counts=torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size))
+                          token_counts=token_counts)
     print_report(report)
     return report
 
@@ -126,6 +139,19 @@ def _generated_corpus(cfg, target, tok, file_prompts):
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed)
+
+
+def _head_frequencies(cfg, draft_cfg, tok, token_counts: torch.Tensor) -> torch.Tensor:
+    """Token frequencies that choose a pruned feature head's tokens: the training corpus', plus (equal weight)
+    those of `draft.vocab_source`. A 37k-token corpus of target samples holds only 4,129 distinct tokens; with the
+    stdlib's frequencies added, the top 16,384 cover 94% of held-out target samples (measured; 87% without)."""
+    freq = token_counts.double() / token_counts.sum().clamp_min(1)
+    if draft_cfg.draft_vocab and draft_cfg.vocab_source:
+        extra = load_blocks(draft_cfg.vocab_source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
+                            cfg.data.text_field)["train"]
+        c = torch.bincount(extra.flatten(), minlength=len(freq)).double()
+        freq = freq + c / c.sum().clamp_min(1)
+    return freq
 
 
 def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
@@ -151,7 +177,7 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         train(cfg)
-    except (ModelNotFound, CorpusError, SetupError, ValueError) as e:
+    except (ModelNotFound, CorpusError, SetupError, ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

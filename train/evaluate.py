@@ -10,6 +10,8 @@ import torch
 from sampling import autoregressive_generate, speculative_generate
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
+from sampling.feature import is_feature_draft
+from train.feature import feature_alpha
 from train.onpolicy import Batch
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "prompts"
@@ -80,7 +82,8 @@ def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperat
         samples = target_samples(target, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id or 0, seed=seed + 1)
-        out["alpha_on_target"] = alpha_on_samples(target, draft, samples, SamplingConfig(temperature, top_k, top_p))
+        out["alpha_on_target"] = alpha_on_samples(target, draft, samples, SamplingConfig(temperature, top_k, top_p),
+                                                  k=k)
     return out
 
 
@@ -105,10 +108,14 @@ def target_samples(target, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, 
 
 
 @torch.no_grad()
-def alpha_on_samples(target, draft, samples: Batch, cfg: SamplingConfig, chunk: int = 512) -> float:
+def alpha_on_samples(target, draft, samples: Batch, cfg: SamplingConfig, chunk: int = 512, k: int = 4) -> float:
     """Teacher-forced alpha_analytic (mean of sum_x min(p, q) over the processed distributions) on the positions
     of `samples.loss_mask`: one batched forward of each model. On the target's own samples it is
-    `alpha_on_target` (DESIGN.md section 2): what the sampler will meet, with no sampling noise."""
+    `alpha_on_target` (DESIGN.md section 2): what the sampler will meet, with no sampling noise. A feature draft's
+    is the mean over its k drafting steps, each unrolled on its own outputs as the sampler runs it."""
+    if is_feature_draft(draft):
+        steps = feature_alpha(target, draft, samples, cfg, k)
+        return sum(steps) / len(steps)
     keep = samples.loss_mask.reshape(-1).nonzero().squeeze(1)
     lp, lq = samples.logits(draft), samples.logits(target)
     V = lp.shape[-1]

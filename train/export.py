@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
+from sampling.feature import is_feature_draft
 from sampling.models import (
     ALIASES,
     DTYPE_CHOICES,
@@ -70,6 +71,14 @@ def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
 
 def check_pair(target_tok, draft_tok, target, draft) -> None:
     problems = tokenizer_mismatches(target_tok, draft_tok)
+    if is_feature_draft(draft):
+        try:
+            draft.config.check_target(target.config)
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            raise ExportError("draft and target do not form a pair: " + "; ".join(problems))
+        return
     tv, dv = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
     if tv != dv or target.config.vocab_size != draft.config.vocab_size:
         problems.append(f"vocab sizes {dv} (draft) != {tv} (target)")
@@ -138,6 +147,30 @@ python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --
 """
 
 
+def feature_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:
+    """The independent draft's card with its Use section for a feature draft: no transformers path."""
+    k = spec["recommended_k"]
+    s = spec["sampling"]
+    card = model_card(name, target_ref, spec, hub_id)
+    head = card[: card.index("## Use")]
+    return head.replace("a draft model for", "a feature draft (EAGLE-3) for") + f"""## Use
+This draft is one decoder layer that reads the target's hidden states (layers
+{spec.get('feature_layers')}, fused) with the next token's embedding: it cannot run alone, and transformers has no
+EAGLE path (its assisted generation takes an independent draft), so there is no transformers recipe here.
+
+draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
+```bash
+python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
+    --top-p {s['top_p']} --prompt "def f(x):"
+```
+vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see
+`vllm_speculative_config.json`):
+```bash
+vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_config.json)"
+```
+"""
+
+
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
            max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
     src, target_name, sampler = locate(src, target_arg)
@@ -159,8 +192,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         cost = measure_costs(target, draft, ks=ks)
     alpha = sum(r["alpha"] * r["prompts"] for r in acc.values()) / sum(r["prompts"] for r in acc.values())
     k_rec, _ = best_k(alpha, cost["c"], cost["v"])
+    feature = is_feature_draft(draft)
     spec = {
         "format": "draftsmith-speculative/1",
+        "draft_kind": "feature_head" if feature else "independent",
         "sampler_mode": "speculative_sampling (Chen et al. 2023, Algorithm 2): exact, draft sampled from p",
         "recommended_k": k_rec,
         "measured_k": sampler["k"],
@@ -173,14 +208,17 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         # what the speed figures were measured on, and each model's precision (auto: measured per machine)
         **run_info(target=target, draft=draft),
     }
+    if feature:
+        spec["feature_layers"] = draft.feature_layers
 
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         ddir = tmp / "draft"
-        draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
-                                       assistant_confidence_threshold=0.0)
+        if not feature:
+            draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
         draft.save_pretrained(ddir, safe_serialization=True)
         draft_tok.save_pretrained(ddir)
         counts = (src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src) / "token_counts.safetensors"
@@ -197,18 +235,21 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
                "architectures": target.config.architectures, "hub_id": hub_id}
         (tmp / "target.json").write_text(json.dumps(ref, indent=2))
-        cfg = json.loads((ddir / "config.json").read_text())
-        cfg["speculators_config"] = {
-            "algorithm": "independent",
-            "proposal_methods": [{"proposal_type": "sample", "speculative_tokens": k_rec}],
-            "default_proposal_method": "sample",
-            "verifier": {"name_or_path": hub_id or target_ref, "architectures": target.config.architectures},
-        }
-        (ddir / "config.json").write_text(json.dumps(cfg, indent=2))
+        if not feature:  # the feature draft's config.json is already vLLM's eagle3 config (sampling/feature.py)
+            cfg = json.loads((ddir / "config.json").read_text())
+            cfg["speculators_config"] = {
+                "algorithm": "independent",
+                "proposal_methods": [{"proposal_type": "sample", "speculative_tokens": k_rec}],
+                "default_proposal_method": "sample",
+                "verifier": {"name_or_path": hub_id or target_ref, "architectures": target.config.architectures},
+            }
+            (ddir / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "vllm_speculative_config.json").write_text(json.dumps(
-            {"method": "draft_model", "model": str(out / "draft"), "num_speculative_tokens": k_rec}, indent=2))
+            {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
+             "num_speculative_tokens": k_rec}, indent=2))
         (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
-        (tmp / "README.md").write_text(model_card(out.name, target_ref, spec, hub_id))
+        card = feature_card if feature else model_card
+        (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
         reload_check(tmp, target, target_tok, spec, sampler)
         if out.exists():
             shutil.rmtree(out)

@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import Timer
 
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
+from sampling.feature import is_feature_draft
+from train.feature import feature_alpha, teacher_pass, unrolled
 from train.losses import draft_loss
 from train.onpolicy import Batch, OnPolicy
 
@@ -23,7 +25,7 @@ class DraftModule(L.LightningModule):
     """
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
-                 on_policy: OnPolicy | None = None):
+                 on_policy: OnPolicy | None = None, unroll: int = 4):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -33,6 +35,9 @@ class DraftModule(L.LightningModule):
         self.save_hyperparameters({"loss": loss, "optim": optim, "sampler": sampler, "max_steps": max_steps})
         self._tokens_seen = 0
         self._t_last = None
+        self.nonfinite_steps, self._nonfinite_run, self.max_nonfinite = 0, 0, 5
+        self.feature = is_feature_draft(draft)
+        self.unroll = unroll  # feature draft: steps of the training-time test
 
     @property
     def target(self):
@@ -72,17 +77,22 @@ class DraftModule(L.LightningModule):
             t = time.perf_counter()
             b = self.on_policy(self.draft, ids)
             self.log("train/on_policy_s", time.perf_counter() - t)
-        logits = b.logits(self.draft)  # (B, T-1, V)
-        tlogits = self._target_logits(b)
-        V = logits.shape[-1]
-        logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
-        tlogits = None if tlogits is None else tlogits.reshape(-1, V)
-        if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
-            keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
-            logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)
-            tlogits = None if tlogits is None else tlogits.index_select(0, keep)
+        if self.feature:
+            logits, tlogits, labels = self._feature_logits(b)
+        else:
+            logits, tlogits, labels = self._draft_logits(b)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
                                   self.loss_cfg.get("compile", True))
+        if not bool(torch.isfinite(total)):  # skip the step (no backward, no update); stop if it keeps happening
+            self.nonfinite_steps += 1
+            self._nonfinite_run += 1
+            self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+            if self._nonfinite_run >= self.max_nonfinite:
+                raise FloatingPointError(
+                    f"the loss was NaN or Inf for {self._nonfinite_run} steps in a row (step {self.global_step}): "
+                    "stopping before a poisoned checkpoint is saved; lower optim.lr or check the data")
+            return None
+        self._nonfinite_run = 0
         self.log("train/loss", total, prog_bar=True)
         for k, v in parts.items():
             self.log(f"train/{k}", v)
@@ -94,12 +104,36 @@ class DraftModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
 
+    def _feature_logits(self, b: Batch):
+        """One teacher pass gives the features and the logits; every unrolled step is scored against the same
+        teacher (slot j predicts x_{j+2} at every step), all steps in one loss call (equal weights)."""
+        fb = teacher_pass(self.target, self.draft.feature_layers, b)
+        steps = unrolled(self.draft, fb, self.unroll)
+        logits, tlogits, labels = (torch.cat(x) for x in zip(*steps))
+        return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
+
+    def _draft_logits(self, b: Batch):
+        logits = b.logits(self.draft)  # (B, T-1, V)
+        tlogits = self._target_logits(b)
+        V = logits.shape[-1]
+        logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
+        tlogits = None if tlogits is None else tlogits.reshape(-1, V)
+        if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
+            keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
+            logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)
+            tlogits = None if tlogits is None else tlogits.index_select(0, keep)
+        return logits, tlogits, labels
+
     def on_validation_epoch_end(self):
         self._t_last = None  # the next step's throughput must not include validation time
 
     def validation_step(self, batch, batch_idx):
         """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if self.feature:  # mean over the unrolled steps (draft positions 1..K)
+            steps = feature_alpha(self.target, self.draft, Batch(ids), self.sampling, self.unroll)
+            self.log("val/alpha_analytic", sum(steps) / len(steps), sync_dist=True, prog_bar=True)
+            return
         inputs, labels = ids[:, :-1], ids[:, 1:]
         logits = self.draft(input_ids=inputs).logits
         tlogits = self.target(input_ids=inputs).logits  # validation already runs without grad

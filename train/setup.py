@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -82,6 +83,9 @@ def check_data(cfg, tokenizer) -> None:
     if not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         raise SetupError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
                          f"itself), got {f}")
+    if f > 0 and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError(f"data.on_policy_fraction={f}: a feature draft cannot sample alone (it reads the target's "
+                         "features); use data=generated (the target's own samples) or data=fixed")
     if f > 0 and not cfg.loss.get("distill", True):
         raise SetupError(f"data.on_policy_fraction={f} needs the target's logits on the draft's samples: "
                          "choose a distillation loss (loss=distill_tv, forward_kl, jsd, ...), not loss=ce")
@@ -162,3 +166,41 @@ def on_target_prompts(cfg, tokenizer, blocks: dict, held_out: list[str] | None):
     if cfg.data.chat_template:
         return prompt_tensor(prompt_texts(cfg, tokenizer, openings, use_file=False), tokenizer, s.prompt_tokens + 64)
     return openings, ones
+
+
+def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
+    """`ckpt_path=last` (or a path): the checkpoint to resume from, checked to load before any work; a truncated
+    or corrupt file is refused naming it and the newest other checkpoint of the run that does load."""
+    if not ckpt_path:
+        return None
+    ckpt_dir = Path(out_dir) / "checkpoints"
+    path = ckpt_dir / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise SetupError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, a file that is not ours
+        good = []
+        for other in sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
+            if other == path:
+                continue
+            try:
+                torch.load(other, map_location="cpu", weights_only=True)
+                good.append(other)
+                break
+            except Exception:
+                continue
+        hint = f"; resume from the previous good one with ckpt_path={good[0]}" if good else ""
+        raise SetupError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}){hint}") from None
+    return str(path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint IO, written to a temporary name and renamed: a process killed mid-write leaves
+    the previous checkpoint in place, never a truncated one under the real name."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.partial")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, path)

@@ -1,0 +1,173 @@
+"""The feature draft (EAGLE-3) in the sampler: exact like any draft, and drafting exactly what it was trained to.
+
+1. The loop's draft distributions equal an independent computation: `FeatureDraft.unroll` (the training-time test,
+   one masked pass per step, no cache) on the verified prefix and the drafts so far. So the sampler runs the draft
+   as it is trained, and cache rollback, re-feeding with the target's features and holes are right.
+2. Exact enumeration of the induced sequence distribution and a chi-square test of 1e5 draws from the real loop
+   against the target, with a planted bug caught; a one-token prompt (first loop drafts nothing) included.
+3. Bad pairs are refused naming both sides.
+"""
+
+from collections import defaultdict
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_exactness import Dist, pvalue, sample_counts, speculative_sequences, target_sequences, tv
+
+import sampling.rejection as rejection
+import sampling.speculative as speculative
+from sampling import autoregressive_generate, speculative_generate
+from sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
+from sampling.probs import SamplingConfig, process_logits
+
+V = 5
+
+
+def feature_draft(target, seed=1, scale=6.0, vocab=None):
+    torch.manual_seed(seed)
+    d = FeatureDraft(FeatureConfig.for_target(target.config, draft_vocab_size=None if vocab is None else len(vocab)))
+    if vocab is not None:
+        d.set_vocab(torch.tensor(vocab))
+    with torch.no_grad():
+        d.lm_head.weight.mul_(scale)
+        d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    return d.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab=V, layers=3, seed=0, logit_scale=8.0)
+    return target, feature_draft(target)
+
+
+class FeatureDist:
+    """p(verified, drafts): the draft's processed distribution for the next draft token, via `unroll`."""
+
+    def __init__(self, target, draft, cfg):
+        self.target, self.draft, self.cfg = target, draft, cfg
+
+    @torch.no_grad()
+    def __call__(self, verified, drafts):
+        e = len(verified) - 2  # last slot fed with the target's features
+        with FeatureTap(self.target, self.draft.feature_layers) as tap:
+            self.target(input_ids=torch.tensor([verified[:-1]]))
+            feats = tap.take()
+        tokens = verified[1:] + list(drafts)
+        feats = torch.cat([feats, feats.new_zeros(1, len(drafts), feats.shape[-1])], 1)  # never attended
+        outs = self.draft.unroll(torch.tensor([tokens]), feats, steps=len(drafts) + 1)
+        out = self.draft.head(outs[len(drafts)][:, e + len(drafts)][:, None])
+        logits = out.logits[0, -1]
+        return process_logits(logits, self.cfg).double()
+
+
+@pytest.mark.parametrize("temperature", [0.9, 1.3])
+def test_loop_drafts_what_unroll_computes(pair, monkeypatch, temperature):
+    """Every p the sampler verifies equals the training-time-test computation on the same context. (Greedy
+    decoding builds no p; it is covered by the greedy-equality tests.)"""
+    target, draft = pair
+    seen = []
+    real = speculative.verify
+
+    def spy(p, q, drafts, generator=None):
+        n, nxt = real(p, q, drafts, generator)
+        seen.append((p[0].clone(), drafts[0].tolist(), int(n[0]), int(nxt[0])))
+        return n, nxt
+
+    monkeypatch.setattr(speculative, "verify", spy)
+    prompt = [1, 3, 2]
+    cfg = SamplingConfig(temperature)
+    speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=14, k=3, temperature=temperature,
+                         generator=torch.Generator().manual_seed(3))
+    ref, verified, rejected = FeatureDist(target, draft, cfg), list(prompt), 0
+    for p, drafts, n, nxt in seen:
+        for i in range(len(drafts)):
+            assert torch.allclose(p[i].double(), ref(verified, drafts[:i]), atol=1e-5)
+        verified += drafts[:n] + [nxt]
+        rejected += n < len(drafts)
+    assert len(seen) >= 4 and 0 < rejected < len(seen)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.8, 2, 0.9), (0.0, 0, 1.0)], ids=["T1", "T0.8-k2-p0.9", "greedy"])
+@pytest.mark.parametrize("prompt", [[1, 3], [2]], ids=["prompt2", "prompt1"])
+def test_exact_enumeration_feature_draft(pair, k, setting, prompt):
+    target, draft = pair
+    cfg = SamplingConfig(*setting)
+    q, p = Dist(target, cfg), FeatureDist(target, draft, cfg)
+    want = target_sequences(q, prompt, 3, 0)
+    got = speculative_sequences(p, q, prompt, 3, k, 0, feature=True)
+    assert abs(sum(got.values()) - 1) < 1e-6
+    assert tv(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("k,setting,prompt", [(3, (1.0, 0, 1.0), [1, 3]), (2, (0.8, 0, 0.9), [2]),
+                                              (3, (1.2, 3, 1.0), [4, 0, 1])])
+def test_feature_draft_passes_chi_square(pair, k, setting, prompt):
+    target, draft = pair
+    budget = 3
+    exact = target_sequences(Dist(target, SamplingConfig(*setting)), prompt, budget, 0)
+    g = torch.Generator().manual_seed(1234)
+    counts = defaultdict(int)
+    for _ in range(4):
+        c, stats = sample_counts(
+            lambda ids: speculative_generate(target, draft, ids, max_new_tokens=budget, k=k, temperature=setting[0],
+                                             top_k=setting[1], top_p=setting[2], eos_token_id=0, generator=g),
+            25_000, budget, prompt)
+        for s, n in c.items():
+            counts[s] += n
+    assert 0.0 < stats.alpha < 1.0
+    assert pvalue(counts, exact) > 1e-3
+
+
+def test_feature_chi_square_detects_a_planted_bug(pair, monkeypatch):
+    target, draft = pair
+    exact = target_sequences(Dist(target, SamplingConfig()), [1, 3], 3, None)
+    monkeypatch.setattr(rejection, "residual", lambda p, q: q)
+    g = torch.Generator().manual_seed(1234)
+    counts, _ = sample_counts(lambda ids: speculative_generate(target, draft, ids, max_new_tokens=3, k=3, generator=g),
+                              50_000, 3, [1, 3])
+    assert pvalue(counts, exact) < 1e-6
+
+
+def test_pruned_feature_head_batched_padded_greedy(monkeypatch):
+    """A head over a token subset, batch > 1 with left padding and EOS: greedy equals the target's greedy, and
+    sampling keeps drafted tokens inside the subset."""
+    target = tiny_llama(vocab=40, layers=4, hidden=32, seed=2, logit_scale=4.0)
+    draft = feature_draft(target, vocab=list(range(0, 40, 2)), scale=4.0)
+    ids = torch.randint(0, 40, (4, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :5] = 0
+    want = autoregressive_generate(target, ids, attention_mask=mask, max_new_tokens=16, temperature=0, eos_token_id=5)
+    got = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=16, k=3, temperature=0,
+                               eos_token_id=5)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    seen = []
+    real = speculative.verify
+    monkeypatch.setattr(speculative, "verify", lambda p, q, d, g=None: (seen.append(d.clone()), real(p, q, d, g))[1])
+    speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=16, k=3, temperature=1.0,
+                         generator=torch.Generator().manual_seed(0))
+    assert seen and all(bool((d % 2 == 0).all()) for d in seen)
+
+
+def test_feature_draft_refuses_another_target(pair):
+    _, draft = pair
+    other = tiny_llama(vocab=V, layers=5, seed=0)
+    with pytest.raises(ValueError, match=r"3 layers.*5 layers"):
+        speculative_generate(other, draft, torch.tensor([[1, 2]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="feature_layers must be 3 layer ids"):
+        FeatureConfig.for_target(other.config, feature_layers=[0, 2, 9])
+
+
+def test_save_load_roundtrip(pair, tmp_path):
+    target, draft = pair
+    draft.save_pretrained(tmp_path / "d")
+    again = FeatureDraft.from_pretrained(tmp_path / "d")
+    ids = torch.tensor([[1, 3, 2, 4]])
+    a = speculative_generate(target, draft, ids, max_new_tokens=6, temperature=0)
+    b = speculative_generate(target, again, ids, max_new_tokens=6, temperature=0)
+    assert a.tokens[0].tolist() == b.tokens[0].tolist()
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="not a readable feature draft"):
+        FeatureDraft.from_pretrained(tmp_path / "d")

@@ -1,0 +1,132 @@
+"""Damaged and hostile inputs are refused in one line, before anything runs: NaN/Inf weights, checkpoints that ask
+to run their own code, a non-finite training loss, a feature draft asked for what it cannot do."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_cli import cli
+
+from sampling.models import ModelNotFound, load_model, resolve
+
+
+@pytest.fixture()
+def tiny_copy(tmp_path):
+    src = resolve("tiny-random")
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_nan_weights_are_refused_by_loader_and_cli(tiny_copy):
+    path = tiny_copy / "model.safetensors"
+    state = load_file(path)
+    name = next(k for k in state if "layers.1.mlp" in k)
+    state[name][0, 0] = float("nan")
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ModelNotFound, match=f"weight .*{name.split('.')[-2]}.* NaN or Inf"):
+        load_model(str(tiny_copy), "fp32")
+    res = cli("--draft", str(tiny_copy), "--prompt", "def f(x):", "--max-new-tokens", "4")
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith("error: ") and "NaN or Inf" in last
+
+
+def test_remote_code_is_refused_unless_trusted(tiny_copy):
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    (tiny_copy / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(ModelNotFound, match="asks to run its own Python code"):
+        load_model(str(tiny_copy), "fp32")
+    res = cli("--draft", str(tiny_copy), "--prompt", "x", "--max-new-tokens", "2")
+    assert res.returncode == 2 and "--trust-remote-code" in res.stderr and "remote code ran" not in res.stderr
+
+
+def test_generate_k_auto_and_feature_draft_refusals(tmp_path):
+    from conftest import tiny_llama  # noqa: F401  (conftest sets threads)
+    from test_feature import feature_draft
+
+    from sampling.models import load_tokenizer
+
+    target = load_model("tiny-random", "fp32")
+    draft = feature_draft(target, scale=1.0)
+    draft.save_pretrained(tmp_path / "f")
+    load_tokenizer("tiny-random").save_pretrained(tmp_path / "f")
+    ok = cli("--draft", str(tmp_path / "f"), "--prompt", "def f(x):", "--max-new-tokens", "10", "-k", "auto", "--json")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["stats"]["k_per_loop"]
+    bad = cli("--draft", str(tmp_path / "f"), "--prompt", "x", "--draft-vocab", "64")
+    assert bad.returncode == 2 and "feature draft's head is chosen in training" in bad.stderr
+    badk = cli("--prompt", "x", "-k", "two")
+    assert badk.returncode == 2 and "'auto'" in badk.stderr
+
+
+def test_nonfinite_loss_skips_steps_then_stops():
+    """A NaN loss: the step is skipped (no backward, no update) and counted; five in a row stop the run."""
+    from train.module import DraftModule
+
+    from conftest import tiny_llama
+
+    target, draft = tiny_llama(vocab=20), tiny_llama(vocab=20, layers=1, seed=1)
+    module = DraftModule(draft, target, loss={"weights": {"ce": 1.0}, "distill": False, "compile": False},
+                         optim={"lr": 1e-3}, sampler={"temperature": 1.0}, max_steps=10)
+    module.log = lambda *a, **k: None  # no trainer attached
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    ids = torch.randint(0, 20, (2, 8))
+    import train.module as m
+
+    real = m.draft_loss
+    m.draft_loss = lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), {})
+    try:
+        for _ in range(4):
+            assert module.training_step(ids, 0) is None
+        with pytest.raises(FloatingPointError, match="NaN or Inf for 5 steps in a row"):
+            module.training_step(ids, 0)
+    finally:
+        m.draft_loss = real
+    assert module.nonfinite_steps == 5
+    assert all(torch.equal(v, before[k]) for k, v in draft.state_dict().items())
+
+
+def test_checkpoint_survives_sigkill_mid_write(tmp_path):
+    """A process rewriting a 100 MB checkpoint is SIGKILLed while a write is in flight: the checkpoint under the
+    real name still loads (the previous one), never a truncated file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from train.setup import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 0}, path)
+    code = ("import torch, sys; from train.setup import AtomicCheckpointIO; io = AtomicCheckpointIO(); x = "
+            "torch.randn(25_000_000)\nfor i in range(1, 1000): io.save_checkpoint({'global_step': i, 'x': x}, "
+            "sys.argv[1])")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+    partial, t0, biggest = tmp_path / ".last.ckpt.partial", time.time(), 0
+    while time.time() - t0 < 60:  # until a write is in flight: a partial file, or the real one being rewritten
+        size = path.stat().st_size if path.exists() else 0
+        if partial.exists() or size < biggest:
+            break
+        biggest = max(biggest, size if size > 10_000_000 else 0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert time.time() - t0 < 60
+    assert "global_step" in torch.load(path, weights_only=True)
+
+
+def test_resume_from_a_truncated_checkpoint_names_the_good_one(smoke_run, tmp_path):
+    from conftest import run_entry
+
+    out, _ = smoke_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    last = run / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    res = run_entry("recipe=smoke", f"hydra.run.dir={run}", "ckpt_path=last", "logger=csv")
+    line = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "last.ckpt is truncated or corrupt" in line and "ckpt_path=" in line
+    assert "step" in line.split("ckpt_path=")[-1]  # the best checkpoint of the run, which loads
