@@ -273,7 +273,7 @@ def plot(by_draft: dict, path, args):
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.suptitle(f"{args.target} + " + ", ".join(by_draft) + (f" (draft vocab {args.draft_vocab})"
+    fig.suptitle(f"{args.target} + " + ", ".join(by_draft) + (f" (independent drafts' head: top {args.draft_vocab})"
                                                               if args.draft_vocab else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
