@@ -86,6 +86,16 @@ def test_entry_trains_a_feature_draft(tmp_path):
     assert "feature draft: 1 layer" in r.stdout + r.stderr
     draft = load_model(str(run / "best_draft"))
     assert isinstance(draft, FeatureDraft)
-    bad = run_entry("recipe=smoke", "draft=feature_head", "data=mixed", f"hydra.run.dir={tmp_path / 'bad'}")
-    assert bad.returncode == 2 and "feature draft cannot sample alone" in bad.stderr
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_on_policy_data_is_refused_for_a_feature_draft():
+    from hydra import compose, initialize_config_dir
+    from conftest import ROOT
+
+    from sampling.models import load_tokenizer
+    from train.setup import SetupError, check_data
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
+        cfg = compose("draft", ["recipe=smoke", "draft=feature_head", "data=mixed"])
+    with pytest.raises(SetupError, match="feature draft cannot sample alone"):
+        check_data(cfg, load_tokenizer("tiny-random"))

@@ -59,8 +59,10 @@ def test_generate_k_auto_and_feature_draft_refusals(tmp_path):
     assert json.loads(ok.stdout)["stats"]["k_per_loop"]
     bad = cli("--draft", str(tmp_path / "f"), "--prompt", "x", "--draft-vocab", "64")
     assert bad.returncode == 2 and "feature draft's head is chosen in training" in bad.stderr
-    badk = cli("--prompt", "x", "-k", "two")
-    assert badk.returncode == 2 and "'auto'" in badk.stderr
+    from sampling.generate import _k
+
+    with pytest.raises(ValueError, match="'auto'"):
+        _k("two")
 
 
 def test_nonfinite_loss_skips_steps_then_stops():
