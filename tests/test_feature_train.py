@@ -81,7 +81,8 @@ def test_entry_trains_a_feature_draft(tmp_path):
     from sampling.models import load_model
 
     run = tmp_path / "run"
-    r = run_entry("recipe=smoke", "draft=feature_head", "draft.draft_vocab=128", "draft.vocab_source=stdlib", f"hydra.run.dir={run}")
+    r = run_entry("recipe=smoke", "draft=feature_head", "draft.draft_vocab=128", "draft.vocab_source=stdlib",
+                  f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "feature draft: 1 layer" in r.stdout + r.stderr
     draft = load_model(str(run / "best_draft"))
@@ -89,8 +90,8 @@ def test_entry_trains_a_feature_draft(tmp_path):
 
 
 def test_on_policy_data_is_refused_for_a_feature_draft():
-    from hydra import compose, initialize_config_dir
     from conftest import ROOT
+    from hydra import compose, initialize_config_dir
 
     from sampling.models import load_tokenizer
     from train.setup import SetupError, check_data

@@ -67,9 +67,9 @@ def test_generate_k_auto_and_feature_draft_refusals(tmp_path):
 
 def test_nonfinite_loss_skips_steps_then_stops():
     """A NaN loss: the step is skipped (no backward, no update) and counted; five in a row stop the run."""
-    from train.module import DraftModule
-
     from conftest import tiny_llama
+
+    from train.module import DraftModule
 
     target, draft = tiny_llama(vocab=20), tiny_llama(vocab=20, layers=1, seed=1)
     module = DraftModule(draft, target, loss={"weights": {"ce": 1.0}, "distill": False, "compile": False},

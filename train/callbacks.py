@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sampling import autoregressive_generate, speculative_generate
-from sampling.feature import is_feature_draft
 from sampling.cost import measure_costs, predicted_speedup
+from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig
 from train.evaluate import alpha_on_samples, target_samples
 from train.onpolicy import Batch

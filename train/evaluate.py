@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from sampling import autoregressive_generate, speculative_generate
+from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
-from sampling.feature import is_feature_draft
 from train.feature import feature_alpha
 from train.onpolicy import Batch
 

@@ -9,9 +9,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 
+from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
-from sampling.feature import is_feature_draft
 from train.feature import feature_alpha, teacher_pass, unrolled
 from train.losses import draft_loss
 from train.onpolicy import Batch, OnPolicy
