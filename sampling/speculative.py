@@ -159,6 +159,19 @@ def _next_token(out, cfg: SamplingConfig, generator):
     return p, sample(p, generator)
 
 
+def _draft_tokens(out, K: int, cfg: SamplingConfig, generator, feed):
+    """K draft tokens from output `out` on; `feed(i, d_i, out)` runs the draft on its i-th token and returns the
+    next output. -> (p (B, K, V), or None when greedy; drafts (B, K))."""
+    p_list, d_list = [], []
+    for i in range(K):
+        p_i, d_i = _next_token(out, cfg, generator)
+        p_list.append(p_i)
+        d_list.append(d_i)
+        if i < K - 1:
+            out = feed(i, d_i, out)
+    return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+
+
 def _prefill(dec: _Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = (valid.long().cumsum(1) - 1).clamp_min(0)
@@ -217,17 +230,17 @@ def autoregressive_generate(
 class _ModelDrafter:
     """An independent draft (the paper's): its own KV cache, fed the tokens it proposed."""
 
+    can_draft = True
+
     def __init__(self, draft, tap=None):
         self.dec = _Decoder(draft)
         self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
 
     def prefill(self, input_ids, head_mask):
         _prefill(self.dec, input_ids[:, :-1], head_mask)
-        B = input_ids.shape[0]
-        self.backlog = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        self.has_backlog = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        self.start(input_ids.shape[0], input_ids.device)
 
-    def start(self, B, dev):  # a one-token prompt: nothing to prefill
+    def start(self, B, dev):  # also the whole start of a one-token prompt: nothing to prefill
         self.backlog = torch.zeros(B, dtype=torch.long, device=dev)
         self.has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
 
@@ -239,14 +252,8 @@ class _ModelDrafter:
                            torch.stack([self.has_backlog, ones[:, 0]], 1), 1)
         else:
             out = self.dec(pending[:, None], pos[:, None], ones, 1)
-        p_list, d_list = [], []
-        for i in range(K):
-            p_i, d_i = _next_token(out, cfg, generator)  # (Bn, V) or None when greedy, (Bn,)
-            p_list.append(p_i)
-            d_list.append(d_i)
-            if i < K - 1:
-                out = self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1)
-        return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+        return _draft_tokens(out, K, cfg, generator,
+                             lambda i, d_i, out: self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1))
 
     def accept(self, n, drafts, nxt, pos, features, last: bool):
         """Roll the cache back to what it was fed of the accepted prefix (its last draft token is never fed)."""
@@ -272,6 +279,11 @@ class _FeatureDrafter:
     def __init__(self, draft, tap):
         self.draft, self.tap, self.dec = draft, tap, _Decoder(draft)
         self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
+        self.own = 0  # cache slots fed with its own outputs in this loop (dropped after verification)
+
+    @property
+    def can_draft(self) -> bool:  # not before the target has produced a feature (a one-token prompt)
+        return self.hidden is not None
 
     def prefill(self, input_ids, head_mask):
         features = self.tap.take()  # the target's, at positions 0..L-2
@@ -282,21 +294,16 @@ class _FeatureDrafter:
         self.hidden = None  # a one-token prompt: the first loop drafts nothing (K = 0)
 
     def propose(self, pending, pos, K, cfg, generator):
-        out = self.draft.head(self.hidden)
         ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
-        p_list, d_list = [], []
-        for i in range(K):
-            p_i, d_i = _next_token(out, cfg, generator)
-            p_list.append(p_i)
-            d_list.append(d_i)
-            if i < K - 1:  # slot pos + i: its own output stands in for the target's feature
-                out = self.dec(d_i[:, None], (pos + i)[:, None], ones, 1, features=out.hidden)
         self.own = K - 1
-        return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+        # slot pos + i: its own output stands in for the target's feature
+        return _draft_tokens(self.draft.head(self.hidden), K, cfg, generator,
+                             lambda i, d_i, out: self.dec(d_i[:, None], (pos + i)[:, None], ones, 1,
+                                                          features=out.hidden))
 
     def accept(self, n, drafts, nxt, pos, features, last: bool):
         B = n.shape[0]
-        if getattr(self, "own", 0) > 0:
+        if self.own > 0:
             self.dec.settle(torch.zeros(B, self.own, dtype=torch.bool, device=n.device))
         self.own = 0
         if last:
@@ -438,7 +445,7 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             k = chooser.choose(rows.index)
             stats.k_per_loop.append(k)
         K = max(1, min(k, rows.max_remaining() - 1))  # no drafting past the end of every row
-        if getattr(drafter, "hidden", True) is None:
+        if not drafter.can_draft:
             K = 0  # a feature draft before its first target features: this loop is one plain target step
 
         # 1. Draft K tokens.

@@ -93,14 +93,13 @@ def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
         index = torch.full((draft.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
         index[vocab] = torch.arange(len(vocab), device=labels.device)
         labels = index[labels]
+    teacher = fb.teacher if vocab is None else fb.teacher[..., vocab]  # once, not per step: (B, T-2, V) is large
+    teacher, labels = teacher.reshape(-1, teacher.shape[-1]), labels.reshape(-1)
     res = []
     for s, h in enumerate(outs):
         idx = _slots(fb.keep, s)
-        teacher = fb.teacher.reshape(-1, fb.teacher.shape[-1]).index_select(0, idx)
-        if vocab is not None:
-            teacher = teacher[:, vocab]
         hidden = h.reshape(-1, h.shape[-1]).index_select(0, idx)
-        res.append((draft.lm_head(draft.norm(hidden)), teacher, labels.reshape(-1)[idx]))
+        res.append((draft.lm_head(draft.norm(hidden)), teacher.index_select(0, idx), labels[idx]))
     return res
 
 
