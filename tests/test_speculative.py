@@ -187,10 +187,10 @@ def test_demo_target_greedy_is_identical_to_its_own_greedy(demo_target):
 def test_pruned_head_processed_over_its_subset_equals_the_padded_vocabulary(setting):
     from sampling.probs import SamplingConfig, process_logits
     from sampling.pruned import PrunedOutput
-    from sampling.speculative import _last_probs
+    from sampling.speculative import last_probs
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randperm(300, generator=g)[:40].sort().values
     out = PrunedOutput(torch.randn(3, 1, 40, generator=g) * 3, ids, 300)
     cfg = SamplingConfig(*setting)
-    torch.testing.assert_close(_last_probs(out, cfg), process_logits(out.logits[:, -1], cfg))
+    torch.testing.assert_close(last_probs(out, cfg), process_logits(out.logits[:, -1], cfg))

@@ -13,6 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
+from sampling.pruned import TOKEN_COUNTS
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 
@@ -124,7 +126,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     assert 0 <= report["eval"]["best"]["code"]["alpha_on_target"] <= 1
     draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
     assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
-    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "best_draft" / "token_counts.safetensors").is_file()
+    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "best_draft" / TOKEN_COUNTS).is_file()
     rows = list(csv.DictReader((out / "csv" / "metrics.csv").open()))
     logged = {k for r in rows for k, v in r.items() if v}
     assert {"train/loss", "train/tv", "val/alpha", "val/alpha_analytic", "val/tokens_per_call", "train/lr",

@@ -4,11 +4,12 @@ The command is `scripts/export.py` (this module's `main`):
     python scripts/export.py outputs/2026-11-29/19-59-20 --out bundles/smollm2-draft
     python scripts/export.py outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
 
-Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md} and the
-`speculators_config` block in draft/config.json. The recommended K maximises the predicted speed-up from the
-measured alpha and the c and v(K) measured on this machine. Atomic: the bundle is assembled in a temporary
-directory, loaded back and checked (our sampler's alpha with the same seed must equal the recorded one), and
-only then renamed into place.
+Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md};
+speculative.json records every other file's sha256. No `speculators_config` block: the speculators format
+(PyPI `speculators` 0.9) has no algorithm for an independent draft, only feature heads (eagle3, ...).
+The recommended K maximises the predicted speed-up from the measured alpha and the c and v(K) measured on this
+machine. Atomic: the bundle is assembled in a temporary directory, loaded back and checked (our sampler's alpha
+with the same seed must equal the recorded one), and only then renamed into place.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from sampling.models import (
     tokenizer_mismatches,
 )
 from sampling.precision import describe_run, run_info
+from sampling.pruned import TOKEN_COUNTS, token_counts_file
+from train.conformance import bundle_hashes
 from train.evaluate import acceptance_by_set
 from train.report import draft_from_checkpoint
 
@@ -221,9 +224,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                                            assistant_confidence_threshold=0.0)
         draft.save_pretrained(ddir, safe_serialization=True)
         draft_tok.save_pretrained(ddir)
-        counts = (src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src) / "token_counts.safetensors"
+        counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
         if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
-            shutil.copy(counts, ddir / counts.name)
+            (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
+            shutil.copy(counts, ddir / TOKEN_COUNTS)
         # Engines need a path or a hub id, not our alias: the local checkpoint (or the bundle's copy).
         target_ref = str(target_dir)
         hub_id = getattr(ALIASES.get(target_name), "hub_id", None)
@@ -235,18 +239,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
                "architectures": target.config.architectures, "hub_id": hub_id}
         (tmp / "target.json").write_text(json.dumps(ref, indent=2))
-        if not feature:  # the feature draft's config.json is already vLLM's eagle3 config (sampling/feature.py)
-            cfg = json.loads((ddir / "config.json").read_text())
-            cfg["speculators_config"] = {
-                "algorithm": "independent",
-                "proposal_methods": [{"proposal_type": "sample", "speculative_tokens": k_rec}],
-                "default_proposal_method": "sample",
-                "verifier": {"name_or_path": hub_id or target_ref, "architectures": target.config.architectures},
-            }
-            (ddir / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "vllm_speculative_config.json").write_text(json.dumps(
             {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
              "num_speculative_tokens": k_rec}, indent=2))
+        spec["files"] = bundle_hashes(tmp)  # `scripts/deploy_check.py` refuses a bundle edited after export
         (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
         card = feature_card if feature else model_card
         (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))

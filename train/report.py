@@ -11,6 +11,7 @@ import torch
 
 from sampling.cost import measure_costs, predicted_speedup
 from sampling.precision import describe_run, run_info
+from sampling.pruned import TOKEN_COUNTS
 from train.evaluate import acceptance_by_set
 from train.models import truncated_target
 
@@ -25,13 +26,14 @@ def draft_from_checkpoint(draft, ckpt_path: str):
 
 def save_draft(draft, tokenizer, path: Path, token_counts: torch.Tensor | None = None) -> Path:
     """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is. The corpus'
-    token counts ride along (token_counts.safetensors) for an exact pruned draft head (sampling/pruned.py)."""
+    token counts ride along (`TOKEN_COUNTS`) for an exact pruned draft head (sampling/pruned.py)."""
     from safetensors.torch import save_file
 
     draft.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     if token_counts is not None:
-        save_file({"counts": token_counts.contiguous()}, path / "token_counts.safetensors")
+        (path / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
+        save_file({"counts": token_counts.contiguous()}, path / TOKEN_COUNTS)
     return path
 
 

