@@ -181,6 +181,7 @@ def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     print(f"draftsmith: converting {filename} to safetensors in {out} (once, ~20 s)", file=sys.stderr)
+    check_gguf(folder / filename)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     # transformers 5.2x keeps GGUF weights packed unless told to dequantize; we want a plain dense model.
     loaded = AutoModelForCausalLM.from_pretrained(
@@ -213,6 +214,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
         raise ValueError(f"role must be decode or teacher, got {role!r}")
     path = resolve(name)
     check_remote_code(path, trust_remote_code)
+    check_weight_files(path)
     cuda = str(device).startswith("cuda")
     explicit = dtype != "auto"
     if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)
@@ -252,6 +254,43 @@ def check_remote_code(path: Path, allowed: bool) -> None:
                             "trust it, pass --trust-remote-code (training: target.trust_remote_code=true)")
 
 
+def check_gguf(f: Path) -> None:
+    """A GGUF file whose header and tensor table parse and whose tensor data fits in the file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(f)
+        ok = all(t.data_offset + t.n_bytes <= f.stat().st_size for t in reader.tensors)
+    except Exception as e:  # gguf raises ValueError, struct or numpy errors on a cut or foreign file
+        raise ModelNotFound(f"{f} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); download "
+                            "it again") from None
+    if not ok:
+        raise ModelNotFound(f"{f} is truncated: its tensors run past the end of the file; download it again")
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file whole: its header parses and its tensors end where the file ends. A file cut short
+    by a killed copy or download is named here instead of failing deep inside a loader."""
+    import json
+    import struct
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8:
+                    raise ValueError(f"header of {n} bytes in a {size}-byte file")
+                header = json.loads(fh.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ModelNotFound(f"{f} is not a readable safetensors file ({e}); download or export it "
+                                "again") from None
+        if 8 + n + end != size:
+            raise ModelNotFound(f"{f} is truncated or damaged: its header describes {8 + n + end} bytes, the file "
+                                f"holds {size}; download or export it again")
+
+
 def check_finite(model, path):
     """Refuse weights holding NaN or Inf (a diverged run, a damaged file): they would poison every p or q."""
     for name, t in model.state_dict().items():
@@ -264,7 +303,13 @@ def check_finite(model, path):
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(name))
+    path = resolve(name)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a damaged tokenizer.json fails inside tokenizers with a bare JSON or Rust error
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ModelNotFound(f"{path}: the tokenizer files are not readable ({type(e).__name__}: {first}); "
+                            "download or export the checkpoint again") from None
 
 
 def tokenizer_mismatches(target_tok, draft_tok) -> list[str]:

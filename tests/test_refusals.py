@@ -132,3 +132,54 @@ def test_resume_from_a_truncated_checkpoint_names_the_good_one(smoke_run, tmp_pa
     line = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "last.ckpt is truncated or corrupt" in line and "ckpt_path=" in line
     assert "step" in line.split("ckpt_path=")[-1]  # the best checkpoint of the run, which loads
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: open(d / "model.safetensors", "r+b").truncate(1000), "model.safetensors is not a readable safetensors"),
+    (lambda d: open(d / "model.safetensors", "r+b").truncate((d / "model.safetensors").stat().st_size - 64),
+     "model.safetensors is truncated or damaged"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json is not readable JSON"),
+    (lambda d: (d / "tokenizer.json").write_bytes(b"\x00\xff binary"), "the tokenizer files are not readable"),
+], ids=["safetensors-header", "safetensors-cut", "config", "tokenizer"])
+def test_damaged_checkpoint_files_are_named(tiny_copy, damage, message):
+    from sampling.models import load_tokenizer
+
+    damage(tiny_copy)
+    with pytest.raises(ModelNotFound, match=message) as e:
+        load_model(str(tiny_copy), "fp32")
+        load_tokenizer(str(tiny_copy))
+    assert str(tiny_copy) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_truncated_gguf_is_refused_before_conversion(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from sampling.models import cache_home
+
+    f = tmp_path / "m.gguf"
+    w = GGUFWriter(str(f), "llama")
+    w.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 1024)
+    with pytest.raises(ModelNotFound, match="m.gguf is (truncated|not a readable GGUF)"):
+        load_model(str(f), "fp32")
+    assert not (cache_home() / "models" / "m").exists()  # nothing written
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("bad.txt", b"ok\n\xff\xfe\x80 not utf-8\n", "UnicodeDecodeError"),
+    ("bad.jsonl", b'{"text": "ok"}\n{"text": \n', "as json"),
+    ("cut.parquet", b"PAR1 not really a parquet file", "as parquet"),
+])
+def test_damaged_corpus_files_are_named(tmp_path, name, data, message):
+    from train.corpus import CorpusError, _documents
+
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(CorpusError, match=message) as e:
+        _documents(str(tmp_path / name), "text", None)
+    assert name in str(e.value) and "\n" not in str(e.value)

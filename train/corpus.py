@@ -59,7 +59,15 @@ def _documents(source: str, text_field: str, max_documents: int | None) -> list[
                                   f"use one of {', '.join(_BUILDERS)}")
             builder = builders.pop()
             kw = {"sample_by": "document"} if builder == "text" else {}
-            ds = datasets.load_dataset(builder, data_files={"train": files}, split="train", **kw)
+            try:
+                ds = datasets.load_dataset(builder, data_files={"train": files}, split="train", **kw)
+            except Exception as e:  # invalid UTF-8, a broken JSON line, a cut parquet: name the files, one line
+                first = (str(e).strip().splitlines() or [""])[0][:160]
+                cause = e.__cause__ or e.__context__
+                why = f"{type(cause).__name__}: {str(cause)[:160]}" if cause else f"{type(e).__name__}: {first}"
+                where = files[0] if len(files) == 1 else f"{len(files)} files under {source}"
+                raise CorpusError(f"could not read corpus {where} as {builder} ({why}); fix or remove the "
+                                  "damaged file") from None
         elif source.startswith((".", "/", "~")) or source.count("/") > 1:
             raise CorpusError(f"corpus not found: {source}")
         else:
