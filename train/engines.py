@@ -247,12 +247,10 @@ class LlamaCppEngine(Engine):
 
     def gguf(self, model_dir: Path) -> Path:
         """The model converted to GGUF (f32) once, cached by the hash of its weights."""
-        import hashlib
+        from train.export import files_sha256
 
-        h = hashlib.sha256()
-        for f in sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]:
-            h.update(f.read_bytes())
-        out = llamacpp_home() / "gguf" / f"{h.hexdigest()[:16]}.gguf"
+        names = [f.name for f in sorted(model_dir.glob("*.safetensors"))] + ["config.json"]
+        out = llamacpp_home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}.gguf"
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".partial")
