@@ -7,17 +7,17 @@ import os
 import pytest
 
 from train.conformance import Setting, check, open_bundle
-from train.engines import LLAMACPP_INSTALL, VLLM_INSTALL, llamacpp_home, vllm_python
+from train.engines import VLLM_INSTALL, llamacpp_missing, vllm_python
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
 
-def installed(engine: str, present: bool, command: str):
-    """Skip when the engine is not installed (it is optional), with the command that installs it; where
+def installed(engine: str, missing: str | None):
+    """Skip when the engine cannot run here (it is optional), saying why and how to install it; where
     DRAFTSMITH_REQUIRE_ENGINES names it (CI), a missing engine is a failure instead."""
-    if not present and engine in os.environ.get("DRAFTSMITH_REQUIRE_ENGINES", "").split(","):
-        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE_ENGINES) but not installed: {command}")
-    return pytest.mark.skipif(not present, reason=f"{engine} not installed: {command}")
+    if missing and engine in os.environ.get("DRAFTSMITH_REQUIRE_ENGINES", "").split(","):
+        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE_ENGINES) but cannot run: {missing}")
+    return pytest.mark.skipif(bool(missing), reason=f"{engine}: {missing}")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def demo_bundle(demo_target, tmp_path_factory):
                   max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
 
 
-@installed("vllm", vllm_python().is_file(), VLLM_INSTALL)
+@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
     from train.engines import VllmEngine
 
@@ -57,7 +57,7 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
 KNOWN_VLLM_SAMPLING = {"0.32.0": "fail"}
 
 
-@installed("llamacpp", (llamacpp_home() / "bin" / "llama-server").is_file(), LLAMACPP_INSTALL)
+@installed("llamacpp", llamacpp_missing())
 def test_llamacpp_is_judged(demo_bundle):
     from train.engines import LlamaCppEngine
 

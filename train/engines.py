@@ -220,6 +220,20 @@ def llamacpp_home() -> Path:
     return Path(os.environ.get("DRAFTSMITH_LLAMACPP", cache_home() / "engines" / "llamacpp"))
 
 
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp cannot run here (one line with the fix), or None: the server binary, the vendored GGUF converter
+    and the sentencepiece it imports must all be present; a built llama.cpp in a fresh venv lacks the last."""
+    home = llamacpp_home()
+    if not ((home / "bin" / "llama-server").is_file() and (home / "src" / "convert_hf_to_gguf.py").is_file()):
+        return (f"llama.cpp is not built ({home / 'bin' / 'llama-server'} missing): run `{LLAMACPP_INSTALL}` "
+                "(builds it from the llama-cpp-python sdist, several minutes on 2 cores)")
+    try:
+        import sentencepiece  # noqa: F401  (the converter imports it for every Llama)
+    except ImportError:
+        return f"llama.cpp's GGUF converter needs sentencepiece: run `{LLAMACPP_INSTALL}` in this venv"
+    return None
+
+
 class LlamaCppEngine(Engine):
     """llama.cpp's server: `-m target.gguf`, plus `-md draft.gguf --draft-max K` for speculative decoding. One
     request per sample (each with its own seed), token ids in and out; its sampler chain is set to HF's order
@@ -229,17 +243,11 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, bundle, timeout_s: int = 1800):
         self.bundle, self.timeout_s = bundle, timeout_s
-        home = llamacpp_home()
-        self.server = home / "bin" / "llama-server"
-        self.converter = home / "src" / "convert_hf_to_gguf.py"
-        if not (self.server.is_file() and self.converter.is_file()):
-            raise EngineMissing(f"llama.cpp is not built ({self.server} missing): run `{LLAMACPP_INSTALL}` "
-                                "(builds it from the llama-cpp-python sdist, several minutes on 2 cores)")
-        try:
-            import sentencepiece  # noqa: F401  (the converter imports it for every Llama)
-        except ImportError:
-            raise EngineMissing(f"llama.cpp's GGUF converter needs sentencepiece: run `{LLAMACPP_INSTALL}` in "
-                                "this venv (or `pip install sentencepiece`)") from None
+        missing = llamacpp_missing()
+        if missing:
+            raise EngineMissing(missing)
+        self.server = llamacpp_home() / "bin" / "llama-server"
+        self.converter = llamacpp_home() / "src" / "convert_hf_to_gguf.py"
         self.k = int(bundle.spec["recommended_k"])
 
     def version(self) -> str:
