@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from sampling.feature import is_feature_draft
 
 
-class _Stepper:
+class Stepper:
     """A model with a warm KV cache over `context`; each call times one forward over `n` new tokens, then crops."""
 
     def __init__(self, model, context: torch.Tensor):
@@ -53,7 +53,7 @@ def measure_costs(target, draft, ks=(1, 2, 3, 4, 5, 6, 7, 8), context_len: int =
     """
     g = torch.Generator().manual_seed(seed)
     context = torch.randint(0, target.config.vocab_size, (1, context_len), generator=g)
-    tgt, drf = _Stepper(target, context), _Stepper(draft, context)
+    tgt, drf = Stepper(target, context), Stepper(draft, context)
     for _ in range(2):  # warm-up
         tgt(1), drf(1)
     t1, d1, ratios_c, ratios_v = [], [], [], {int(k): [] for k in ks}

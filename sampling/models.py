@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sampling import precision
+from sampling import kernels, precision
 from sampling.feature import FeatureDraft, is_feature_dir
 
 # The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
@@ -228,6 +228,8 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
         model = model.eval().requires_grad_(False)
         check_finite(model, path)
+        # before timing fp32, so bf16 is weighed against the fp32 that would run
+        kernels.install(model, cache=cache_home() / "kernels.json")
         dtype = precision.decode_dtype(model)
         if dtype == "fp32":
             return model
@@ -238,7 +240,9 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     model = model.to(device).eval().requires_grad_(False)
     if explicit and not cuda:
         precision.check_choice(dtype, role, model)
-    return check_finite(model, path)
+    check_finite(model, path)
+    kernels.install(model, cache=cache_home() / "kernels.json")
+    return model
 
 
 def check_remote_code(path: Path, allowed: bool) -> None:

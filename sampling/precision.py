@@ -251,7 +251,8 @@ def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     v = verdict(quiet=quiet)
     mid = model_id(model)
     hit = v.get("models", {}).get(mid)
-    if hit and hit.get("k") == k:
+    kernels = any(hasattr(m, "kernels") for m in model.modules())  # sampling/kernels.py: fp32 is faster with them
+    if hit and hit.get("k") == k and hit.get("kernels", False) == kernels:
         return hit["dtype"]
     if model.dtype != torch.float32:
         raise ValueError(f"decode_dtype times an fp32 model and a bf16 copy of it; got a {model.dtype} model")
@@ -259,7 +260,7 @@ def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     ms = {"fp32": _decode_ms(model, k)}
     ms["bf16"] = _decode_ms(copy.deepcopy(model).to(torch.bfloat16), k)
     d = decide({"decode": ms}, roles=("decode",))
-    v.setdefault("models", {})[mid] = {"k": k, "ms": ms, "dtype": d["dtype"]["decode"], "why": d["why"]["decode"],
+    v.setdefault("models", {})[mid] = {"k": k, "kernels": kernels, "ms": ms, "dtype": d["dtype"]["decode"], "why": d["why"]["decode"],
                                        "name": getattr(model.config, "_name_or_path", ""),
                                        "probe_s": time.perf_counter() - t0}
     _write(_cache_path(v["key"]), v)
