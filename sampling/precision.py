@@ -260,8 +260,8 @@ def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     ms = {"fp32": _decode_ms(model, k)}
     ms["bf16"] = _decode_ms(copy.deepcopy(model).to(torch.bfloat16), k)
     d = decide({"decode": ms}, roles=("decode",))
-    v.setdefault("models", {})[mid] = {"k": k, "kernels": kernels, "ms": ms, "dtype": d["dtype"]["decode"], "why": d["why"]["decode"],
-                                       "name": getattr(model.config, "_name_or_path", ""),
+    v.setdefault("models", {})[mid] = {"k": k, "kernels": kernels, "ms": ms, "dtype": d["dtype"]["decode"],
+                                       "why": d["why"]["decode"], "name": getattr(model.config, "_name_or_path", ""),
                                        "probe_s": time.perf_counter() - t0}
     _write(_cache_path(v["key"]), v)
     if not quiet:

@@ -137,6 +137,26 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     return out
 
 
+def _complete_rows(path: Path, batch_size: int, total: int) -> int:
+    """Rows of a resumable JSONL that a killed run left whole, rounded down to whole batches (so the resumed run
+    draws the same batches with the same seeds as an uninterrupted one would); what follows them is cut off: a row
+    torn mid-write is never read as data."""
+    if not path.exists():
+        return 0
+    lines = path.read_bytes().split(b"\n")[:-1]  # what follows the last newline is torn
+    whole = 0
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            break
+        whole += 1
+    keep = whole if whole >= total else whole - whole % batch_size
+    with path.open("r+b") as f:
+        f.truncate(sum(len(line) + 1 for line in lines[:keep]))
+    return keep
+
+
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
                     seed: int = 0, progress: bool = True) -> Path:
@@ -149,8 +169,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = sum(1 for _ in out_path.open()) if out_path.exists() else 0
     jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
+    done = _complete_rows(out_path, batch_size, len(jobs))
     todo = jobs[done:]
     new_tokens, t0 = 0, time.perf_counter()
     with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress,

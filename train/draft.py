@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 
@@ -34,6 +35,7 @@ from train.setup import (
     SetupError,
     check_data,
     check_writable,
+    claim_run_dir,
     loaders,
     loggers,
     on_target_prompts,
@@ -51,6 +53,7 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     L.seed_everything(cfg.seed, verbose=False)
     out_dir = check_writable(cfg.out_dir)
+    claim_run_dir(out_dir)  # a second run in the same directory is refused, not interleaved
 
     # 1. The frozen target and its tokenizer, in the precision its teacher passes run fastest in on this machine.
     resume = resume_checkpoint(out_dir, cfg.ckpt_path)  # a damaged checkpoint fails here, before any work
@@ -170,6 +173,10 @@ def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
         pool = (openings, torch.ones_like(openings))
     return OnPolicy(d.on_policy_fraction, pool, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                     buffer=d.on_policy_buffer, seed=cfg.seed)
+
+
+# the default run dir (recipes/draft.yaml) ends in the process id: two runs started in the same second get two dirs
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../recipes", config_name="draft")

@@ -15,6 +15,8 @@ with the same seed must equal the recorded one), and only then renamed into plac
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -176,7 +178,8 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
            max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
-    src, target_name, sampler = locate(src, target_arg)
+    src, target_name, sampler = locate(Path(src), target_arg)
+    out = Path(out)
     target_dir = resolve(target_name)
     target, target_tok = load_model(target_name, dtype), load_tokenizer(target_name)
     if src.suffix == ".ckpt":
@@ -216,44 +219,63 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
 
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
-        ddir = tmp / "draft"
-        if not feature:
-            draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
-                                           assistant_confidence_threshold=0.0)
-        draft.save_pretrained(ddir, safe_serialization=True)
-        draft_tok.save_pretrained(ddir)
-        counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
-        if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
-            (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
-            shutil.copy(counts, ddir / TOKEN_COUNTS)
-        # Engines need a path or a hub id, not our alias: the local checkpoint (or the bundle's copy).
-        target_ref = str(target_dir)
-        hub_id = getattr(ALIASES.get(target_name), "hub_id", None)
-        if copy_target:
-            shutil.copytree(target_dir, tmp / "target")
-            target_ref = "BUNDLE/target"
-        ref = {"name": target_name, "path": str(target_dir) if not copy_target else "target",
-               "config_sha256": files_sha256(target_dir, ["config.json"]),
-               "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
-               "architectures": target.config.architectures, "hub_id": hub_id}
-        (tmp / "target.json").write_text(json.dumps(ref, indent=2))
-        (tmp / "vllm_speculative_config.json").write_text(json.dumps(
-            {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
-             "num_speculative_tokens": k_rec}, indent=2))
-        spec["files"] = bundle_hashes(tmp)  # `scripts/deploy_check.py` refuses a bundle edited after export
-        (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
-        card = feature_card if feature else model_card
-        (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
-        reload_check(tmp, target, target_tok, spec, sampler)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _exclusive(out):  # a second export to the same place waits for this one, then replaces it whole
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+        try:
+            ddir = tmp / "draft"
+            if not feature:
+                draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
+                                               assistant_confidence_threshold=0.0)
+            draft.save_pretrained(ddir, safe_serialization=True)
+            draft_tok.save_pretrained(ddir)
+            counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
+            if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
+                (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
+                shutil.copy(counts, ddir / TOKEN_COUNTS)
+            # Engines need a path or a hub id, not our alias: the local checkpoint (or the bundle's copy).
+            target_ref = str(target_dir)
+            hub_id = getattr(ALIASES.get(target_name), "hub_id", None)
+            if copy_target:
+                shutil.copytree(target_dir, tmp / "target")
+                target_ref = "BUNDLE/target"
+            ref = {"name": target_name, "path": str(target_dir) if not copy_target else "target",
+                   "config_sha256": files_sha256(target_dir, ["config.json"]),
+                   "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
+                   "architectures": target.config.architectures, "hub_id": hub_id}
+            (tmp / "target.json").write_text(json.dumps(ref, indent=2))
+            (tmp / "vllm_speculative_config.json").write_text(json.dumps(
+                {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
+                 "num_speculative_tokens": k_rec}, indent=2))
+            spec["files"] = bundle_hashes(tmp)  # `scripts/deploy_check.py` refuses a bundle edited after export
+            (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
+            card = feature_card if feature else model_card
+            (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
+            reload_check(tmp, target, target_tok, spec, sampler)
+            # two renames: at every moment the destination holds the previous bundle whole or the new one whole
+            previous = out.parent / f".{out.name}.previous"
+            if out.exists():
+                os.replace(out, previous)
+            os.replace(tmp, out)
+            shutil.rmtree(previous, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """Holds `.NAME.lock` beside the bundle (flock: released by the kernel even when the holder is SIGKILLed), and
+    repairs what a killed export left: partial directories, a previous bundle moved aside but not yet replaced."""
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in out.parent.glob(f".{out.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        previous = out.parent / f".{out.name}.previous"
+        if previous.exists() and not out.exists():
+            os.replace(previous, out)
+        shutil.rmtree(previous, ignore_errors=True)
+        yield
 
 
 def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -24,6 +25,27 @@ def check_writable(out_dir: str) -> Path:
     except OSError as e:
         raise SetupError(f"output directory {path} is not writable ({e.strerror}); set hydra.run.dir=<writable dir>")
     return path
+
+
+_CLAIMS = []  # the open lock files of the run dirs this process holds (closed by the kernel when it dies)
+
+
+def claim_run_dir(path: Path) -> None:
+    """One training run per run directory: a second run (or a resume) there while the first lives is refused.
+    flock, so a run that was SIGKILLed leaves no stale claim; DDP's other ranks (LOCAL_RANK > 0) share rank 0's."""
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        return
+    lock = open(path / ".run.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise SetupError(f"{path} is in use by another training run (pid {lock.read().strip() or '?'}); "
+                         "give this one its own hydra.run.dir, or wait for that run to end") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    _CLAIMS.append(lock)
 
 
 def _wandb_mode(mode: str) -> str:

@@ -1,0 +1,136 @@
+"""Killed at any moment, run side by side: target-sample generation resumes to the same file an uninterrupted run
+writes, an export leaves the previous bundle intact and never a partial one, two exports to one place both land
+whole, and two training runs never share a run directory (issue 11)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train.conformance import open_bundle
+
+GENERATE = """
+import sys
+from sampling.models import load_model, load_tokenizer
+from train.corpus import generate_corpus
+prompts = [f"prompt {i}:" for i in range(int(sys.argv[2]))]
+generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"), prompts, sys.argv[1],
+                max_new_tokens=24, batch_size=4, progress=False)
+"""
+
+
+def _start(code: str, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
+    """SIGKILL `proc` as soon as ready() holds; False if it finished first."""
+    t0 = time.time()
+    while not ready() and proc.poll() is None and time.time() - t0 < timeout:
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return True
+
+
+def _generate(path, n):
+    from sampling.models import load_model, load_tokenizer
+    from train.corpus import generate_corpus
+
+    generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"),
+                    [f"prompt {i}:" for i in range(n)], path, max_new_tokens=24, batch_size=4, progress=False)
+
+
+def test_generation_killed_midway_resumes_to_the_uninterrupted_file(tmp_path):
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    _generate(whole, 120)
+    proc = _start(GENERATE, resumed, 120)
+    lines = lambda: resumed.read_bytes().count(b"\n") if resumed.exists() else 0  # noqa: E731
+    assert _kill_when(proc, lambda: lines() >= 5), "generation finished before it could be killed"
+    with resumed.open("ab") as f:  # and a row torn mid-write, as a kill inside a buffered write leaves it
+        f.write(b'{"text": "prompt 99: torn')
+    _generate(resumed, 120)  # resumes after the whole batches, drops the rest
+    assert resumed.read_text() == whole.read_text()
+
+
+EXPORT = """
+import sys
+from train.export import export
+export(sys.argv[1], sys.argv[2], n_prompts=1, max_new_tokens=8, ks=(1, 2))
+"""
+
+
+@pytest.fixture(scope="module")
+def first_bundle(smoke_run, tmp_path_factory):
+    from train.export import export
+
+    run_dir, _ = smoke_run
+    out = tmp_path_factory.mktemp("kill") / "pair"
+    export(run_dir, out, n_prompts=1, max_new_tokens=8, ks=(1, 2))
+    return run_dir, out
+
+
+def test_export_killed_midway_leaves_the_previous_bundle_and_the_next_export_cleans_up(first_bundle):
+    from train.export import export
+
+    run_dir, out = first_bundle
+    before = json.loads((out / "speculative.json").read_text())["files"]
+    partials = lambda: list(out.parent.glob(f".{out.name}.partial-*"))  # noqa: E731
+    proc = _start(EXPORT, run_dir, out)
+    assert _kill_when(proc, lambda: any((p / "draft").exists() for p in partials())), proc.stderr.read()[-2000:]
+    assert json.loads((out / "speculative.json").read_text())["files"] == before
+    open_bundle(out)  # every file still matches its recorded hash
+    assert partials()  # what the killed export left...
+    export(run_dir, out, n_prompts=1, max_new_tokens=8, ks=(1, 2))
+    assert not partials() and not list(out.parent.glob(f".{out.name}.previous"))  # ...the next one removed
+    open_bundle(out)
+
+
+def test_two_exports_to_one_place_both_land_whole(first_bundle):
+    run_dir, out = first_bundle
+    procs = [_start(EXPORT, run_dir, out) for _ in range(2)]
+    assert [p.wait() for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    open_bundle(out)
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == [f".{out.name}.lock"]
+
+
+CLAIM = """
+import sys, time
+from pathlib import Path
+from train.setup import claim_run_dir
+claim_run_dir(Path(sys.argv[1]))
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_run_dir_is_held_by_one_run_and_freed_when_that_run_is_killed(tmp_path):
+    from train.setup import SetupError, claim_run_dir
+
+    proc = subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "claimed"
+    with pytest.raises(SetupError, match=rf"in use by another training run \(pid {proc.pid}\)"):
+        claim_run_dir(tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    claim_run_dir(tmp_path)  # a killed run leaves no stale claim
+
+
+def test_runs_started_in_the_same_second_get_their_own_run_dirs():
+    from conftest import ROOT
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import train.draft  # noqa: F401  (registers the resolver the default run dir uses)
+
+    with initialize_config_dir(str(ROOT / "recipes"), version_base="1.3"):
+        cfg = compose("draft", return_hydra_config=True)
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"]
+    assert run_dir.startswith("outputs/") and run_dir.endswith(f"-{os.getpid()}")
