@@ -10,7 +10,8 @@ cost about half at 2 to 4 rows; at 3 rows padding to 4 pays; at 1 row oneDNN som
 Other CPUs and MKL builds rank these differently, and products timed alone rank differently from the same products
 in a forward pass, so nothing is assumed: `install` times whole forward passes of the model at each row count under
 each kernel and keeps F.linear unless beaten by 10%. Beyond 64 rows (prefill, training) F.linear is kept: the
-products are compute-bound there and the kernels tie. Results differ from F.linear's only by float rounding
+products are compute-bound there and the kernels tie. The price: where oneDNN is chosen, it keeps a packed copy of
+those weights (as much memory again for them). Results differ from F.linear's only by float rounding
 (another summation order), as a different number of rows already does.
 """
 
