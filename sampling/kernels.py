@@ -15,7 +15,6 @@ those weights (as much memory again for them). Results differ from F.linear's on
 (another summation order), as a different number of rows already does.
 """
 
-import json
 import os
 import types
 import weakref
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sampling.cost import Stepper
+from sampling.precision import machine_key, read_json, write_json
 
 FEW_ROWS = 64  # above this, F.linear (compute-bound: nothing to gain, measured)
 MIN_BYTES = 1 << 20  # matrices this small stay in cache and gain nothing measurable (the tiny test models)
@@ -117,7 +117,7 @@ def install(model: nn.Module, step=None, force: dict[int, str] | None = None, ca
         m.kernels = table
         m.forward = types.MethodType(_fast_forward, m)
     if not force:
-        known, key = _read(cache), _choice_key(modules)
+        known, key = (read_json(cache) if cache else None) or {}, _choice_key(modules)
         if key in known:
             table.update({int(r): n for r, n in known[key].items()})
         else:
@@ -125,7 +125,11 @@ def install(model: nn.Module, step=None, force: dict[int, str] | None = None, ca
                 step = Stepper(model, torch.randint(0, model.config.vocab_size, (1, 32)))
             calibrate(step, table)
             known[key] = table
-            _write(cache, known)
+            if cache:
+                try:
+                    write_json(cache, known)
+                except OSError:  # a read-only home: the table is simply timed again next time
+                    pass
     if set(table.values()) == {"linear"}:
         for m in modules:
             del m.forward
@@ -134,32 +138,6 @@ def install(model: nn.Module, step=None, force: dict[int, str] | None = None, ca
 
 
 def _choice_key(modules) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
+    """This machine (precision.machine_key: CPU, flags, threads, torch) and the model's linear shapes."""
     shapes = ",".join(f"{o}x{i}" for o, i in sorted({tuple(m.weight.shape) for m in modules}))
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads | {len(modules)} of {shapes}"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
-
-
-def _read(cache: Path | None) -> dict:
-    try:
-        return json.loads(cache.read_text()) if cache else {}
-    except (OSError, ValueError):  # missing or damaged: time again
-        return {}
-
-
-def _write(cache: Path | None, known: dict) -> None:
-    if cache is None:
-        return
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, cache)  # whole or not at all, even with two loads at once
-    except OSError:  # a read-only home: the table is simply timed again next time
-        pass
+    return f"{machine_key()} | {len(modules)} of {shapes}"

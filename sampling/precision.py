@@ -185,14 +185,15 @@ def _cache_path(key: str) -> Path:
     return cache_home() / "precision" / f"{key}.json"
 
 
-def _read(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None  # absent or damaged: measured again
 
 
-def _write(path: Path, v: dict) -> None:
+def write_json(path: Path, v: dict) -> None:
+    """Whole or not at all: written to a temporary name and renamed (two processes may write at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(v, indent=2))
@@ -204,7 +205,7 @@ def verdict(refresh: bool = False, quiet: bool = False) -> dict:
     m = machine()
     key = machine_key(m)
     path = _cache_path(key)
-    v = None if refresh else _read(path)
+    v = None if refresh else read_json(path)
     if v is not None and "dtype" in v:
         return v
     res = probe()
@@ -212,7 +213,7 @@ def verdict(refresh: bool = False, quiet: bool = False) -> dict:
     if res["bf16_gemm"] != "native":
         r = res["ms"]["screen"]["bf16"] / res["ms"]["screen"]["fp32"]
         v["why"] = {role: f"bf16 matmul {r:.0f}x slower than fp32: no native bf16 GEMM" for role in v["why"]}
-    _write(path, v)
+    write_json(path, v)
     if not quiet:
         d, w = v["dtype"], v["why"]
         print(f"draftsmith: precision probe ({v['probe_s']:.2f} s) on this CPU ({_describe(m)}): "
@@ -263,7 +264,7 @@ def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     v.setdefault("models", {})[mid] = {"k": k, "kernels": kernels, "ms": ms, "dtype": d["dtype"]["decode"],
                                        "why": d["why"]["decode"], "name": getattr(model.config, "_name_or_path", ""),
                                        "probe_s": time.perf_counter() - t0}
-    _write(_cache_path(v["key"]), v)
+    write_json(_cache_path(v["key"]), v)
     if not quiet:
         print(f"draftsmith: decoding in {d['dtype']['decode']} ({d['why']['decode']} for a 1-token + {k + 1}-token "
               f"pass of this model on this CPU, {_describe(v['machine'])})", file=sys.stderr)
@@ -283,7 +284,7 @@ def check_choice(requested: str, role: str, model=None) -> None:
     Never probes for it (a cached verdict or none)."""
     if requested != "bf16":
         return
-    v = _read(_cache_path(machine_key()))
+    v = read_json(_cache_path(machine_key()))
     if not v:
         return
     ms = v.get("ms", {}).get(role) if role != "decode" else v.get("models", {}).get(model_id(model), {}).get("ms")

@@ -179,7 +179,7 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
            max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
     src, target_name, sampler = locate(Path(src), target_arg)
-    out = Path(out)
+    out = Path(out).resolve()
     target_dir = resolve(target_name)
     target, target_tok = load_model(target_name, dtype), load_tokenizer(target_name)
     if src.suffix == ".ckpt":
@@ -217,7 +217,6 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     if feature:
         spec["feature_layers"] = draft.feature_layers
 
-    out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):  # a second export to the same place waits for this one, then replaces it whole
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
@@ -252,11 +251,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
             reload_check(tmp, target, target_tok, spec, sampler)
             # two renames: at every moment the destination holds the previous bundle whole or the new one whole
-            previous = out.parent / f".{out.name}.previous"
             if out.exists():
-                os.replace(out, previous)
+                os.replace(out, _previous(out))
             os.replace(tmp, out)
-            shutil.rmtree(previous, ignore_errors=True)
+            shutil.rmtree(_previous(out), ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -271,11 +269,15 @@ def _exclusive(out: Path):
         fcntl.flock(lock, fcntl.LOCK_EX)
         for stale in out.parent.glob(f".{out.name}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        previous = out.parent / f".{out.name}.previous"
-        if previous.exists() and not out.exists():
-            os.replace(previous, out)
-        shutil.rmtree(previous, ignore_errors=True)
+        if _previous(out).exists() and not out.exists():
+            os.replace(_previous(out), out)
+        shutil.rmtree(_previous(out), ignore_errors=True)
         yield
+
+
+def _previous(out: Path) -> Path:
+    """Where the bundle being replaced waits between the two renames of a swap."""
+    return out.parent / f".{out.name}.previous"
 
 
 def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:
