@@ -59,15 +59,23 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the most likely is always kept;
     tokens tied with the least likely kept one are kept too, so the result never depends on sort order)."""
     V = probs.shape[-1]
+    flat = probs.reshape(-1, V)
     m = min(V, _TOP_P_CANDIDATES)
-    vals = probs.topk(m, dim=-1).values  # sorted descending
-    if m < V and bool((vals.sum(-1) < top_p).any()):
-        vals = probs.sort(dim=-1, descending=True).values
+    vals = flat.topk(m, dim=-1).values  # sorted descending
+    threshold = _nucleus_threshold(vals, top_p)
+    if m < V:  # only the rows whose candidates miss the nucleus pay for a full sort (one flat row in a batch of 32
+        short = (vals.sum(-1) < top_p).nonzero().squeeze(1)  # used to make all 32 sort: 71 ms a step here)
+        if len(short):
+            threshold[short] = _nucleus_threshold(flat[short].sort(dim=-1, descending=True).values, top_p)
+    kept = flat * (flat >= threshold)
+    return (kept / kept.sum(-1, keepdim=True)).reshape(probs.shape)
+
+
+def _nucleus_threshold(vals: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(N, m) probabilities sorted descending, holding each row's nucleus -> (N, 1) the least kept probability."""
     before = vals.cumsum(-1) - vals  # mass of the strictly more likely tokens
     n_keep = (before < top_p).sum(-1, keepdim=True)  # >= 1
-    threshold = vals.gather(-1, n_keep - 1)
-    kept = probs * (probs >= threshold)
-    return kept / kept.sum(-1, keepdim=True)
+    return vals.gather(-1, n_keep - 1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

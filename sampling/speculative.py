@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
+from sampling.cache import preallocated_cache
 from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
 from sampling.rejection import expected_acceptance, verify
@@ -34,9 +34,10 @@ class Generation:
 class _Decoder:
     """One model's decoding state for the active rows: its KV cache and which cache slots are valid."""
 
-    def __init__(self, model):
+    def __init__(self, model, capacity: int):
+        """capacity: the cache length the generation is expected to reach (it grows past it if need be)."""
         self.model = model
-        self.cache = model.new_cache() if hasattr(model, "new_cache") else DynamicCache(config=model.config)
+        self.cache = model.new_cache() if hasattr(model, "new_cache") else preallocated_cache(model.config, capacity)
         self.valid: torch.Tensor | None = None  # (B, S) bool
 
     def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
@@ -201,7 +202,7 @@ def autoregressive_generate(
     B = input_ids.shape[0]
     stats = GenerationStats(k=0, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, input_ids.device)
-    dec = _Decoder(target)
+    dec = _Decoder(target, input_ids.shape[1] + max_new_tokens)
     out = _prefill(dec, input_ids, attention_mask)
     pos = dec.valid.sum(1)  # (B,) position of the next token
     stats.prefill_s = time.perf_counter() - t0
@@ -232,8 +233,8 @@ class _ModelDrafter:
 
     can_draft = True
 
-    def __init__(self, draft, tap=None):
-        self.dec = _Decoder(draft)
+    def __init__(self, draft, tap, capacity):
+        self.dec = _Decoder(draft, capacity)
         self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
 
     def prefill(self, input_ids, head_mask):
@@ -276,8 +277,8 @@ class _FeatureDrafter:
     filled with its own outputs are dropped, and the kept positions are fed again with the target's features from
     that verification pass (they are exact there, its own were guesses)."""
 
-    def __init__(self, draft, tap):
-        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft)
+    def __init__(self, draft, tap, capacity):
+        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft, capacity)
         self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
         self.own = 0  # cache slots fed with its own outputs in this loop (dropped after verification)
 
@@ -423,8 +424,10 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
     dev = input_ids.device
     stats = GenerationStats(k=k, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, dev)
-    tgt = _Decoder(target)
-    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap)
+    # rejected slots stay as masked holes until a crop, so the caches outgrow the tokens: room for about twice
+    capacity = input_ids.shape[1] + 2 * max_new_tokens + k + 1
+    tgt = _Decoder(target, capacity)
+    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap, capacity)
 
     # Both caches hold everything but the last token, `pending`, which each loop feeds first.
     pending = input_ids[:, -1]

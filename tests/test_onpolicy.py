@@ -76,6 +76,16 @@ def test_out_of_range_fraction_is_refused():
             OnPolicy(f, openings(torch.zeros(2, 5).long(), 4), temperature=1.0)
 
 
+def test_on_policy_rows_start_after_the_warm_up():
+    ids = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(4))
+    ids[ids == 7] = 8
+    op = OnPolicy(0.5, openings(ids, 4), temperature=1.0, start=0.4)
+    assert torch.equal(op(one_token_draft(7), ids, progress=0.39).ids, ids)  # warm-up: the corpus batch as is
+    assert (op(one_token_draft(7), ids, progress=0.4).ids[:2, 4:] == 7).all()
+    with pytest.raises(ValueError, match=r"on_policy_from must be in \[0, 1\)"):
+        OnPolicy(0.5, openings(ids, 4), temperature=1.0, start=1.0)
+
+
 def test_rows_are_sampled_a_buffer_at_a_time():
     """Decoding is sequential in tokens and nearly free in rows: 2 rows a step from a buffer of 8 means the draft
     samples once every 4 steps, and every row is used once."""
@@ -146,6 +156,7 @@ def test_alpha_on_target_equals_a_direct_computation():
 
 @pytest.mark.parametrize("overrides,msg", [
     (["data.on_policy_fraction=1.5"], "on_policy_fraction must be in [0, 1]"),
+    (["data=mixed", "data.on_policy_from=1"], "on_policy_from must be in [0, 1)"),
     (["sampler.on_target_tokens=0"], "needs its sample set"),
     (["data=on_policy", "loss=ce"], "choose a distillation loss"),
     (["data=on_policy", "data.prompt_tokens=64"], "leaves no room"),

@@ -48,8 +48,10 @@ def test_top_p_fast_path_equals_full_sort_on_large_vocab():
     g = torch.Generator().manual_seed(0)
     peaked = torch.randn(4, 49152, generator=g) * 4  # nucleus inside the top 1024
     flat = torch.randn(4, 49152, generator=g) * 0.01  # nucleus needs thousands of tokens: fallback
-    for logits in (peaked, flat):
-        got = process_logits(logits, SamplingConfig(0.8, 0, 0.95))
+    mixed = torch.stack([peaked[0], flat[0], peaked[1], flat[1]])  # only the flat rows take the fallback
+    for logits in (peaked, flat, mixed, mixed.view(2, 2, -1)):
+        got = process_logits(logits, SamplingConfig(0.8, 0, 0.95)).reshape(-1, 49152)
+        logits = logits.reshape(-1, 49152)
         ref = reference(logits, 0.8, 0, 0.95)
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-4)
     assert (process_logits(flat, SamplingConfig(0.8, 0, 0.95)) > 0).sum(-1).min() > 1024

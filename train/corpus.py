@@ -169,7 +169,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, p) for i, p in enumerate(prompts) for _ in range(samples_per_prompt)]
+    # sample-major: raising samples_per_prompt later extends the cached file instead of re-ordering it
+    jobs = [(i, p) for _ in range(samples_per_prompt) for i, p in enumerate(prompts)]
     done = _complete_rows(out_path, batch_size, len(jobs))
     todo = jobs[done:]
     new_tokens, t0 = 0, time.perf_counter()

@@ -32,6 +32,7 @@ from train.onpolicy import OnPolicy
 from train.report import final_report, print_report
 from train.setup import (
     AtomicCheckpointIO,
+    DataOrder,
     SetupError,
     check_data,
     check_writable,
@@ -106,7 +107,8 @@ def train(cfg: DictConfig) -> dict:
         trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
-    trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir), callbacks=[acceptance_cb, checkpoint_cb],
+    trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
+                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb],
                         logger=loggers(cfg, out_dir))
 
     # 5. Train (ckpt_path=last resumes with optimizer, loops and best-checkpoint state).
@@ -172,7 +174,7 @@ def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
     else:
         pool = (openings, torch.ones_like(openings))
     return OnPolicy(d.on_policy_fraction, pool, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                    buffer=d.on_policy_buffer, seed=cfg.seed)
+                    buffer=d.on_policy_buffer, seed=cfg.seed, start=d.on_policy_from)
 
 
 # the default run dir (recipes/draft.yaml) ends in the process id: two runs started in the same second get two dirs

@@ -24,6 +24,8 @@ class DraftConfig:
     intermediate: int | None = None
     init: str = "scratch"  # scratch | target: copy embeddings, head, final norm and `init_layers` of the target
     init_layers: list[int] | None = None  # target layer indices copied into the draft, in order
+    init_from: str | None = None  # a saved draft (a best_draft dir) whose weights replace `init`'s: continue
+                                  # training it (e.g. on the draft's own samples once it can write)
     freeze_embeddings: bool = False  # keep embeddings/head equal to the target's (saves ~25% of a step on CPU)
     extra: dict = field(default_factory=dict)  # any other config field to override
     kind: str = "independent"  # independent (the paper's) | feature_head (EAGLE-3: reads the target's features)
@@ -97,10 +99,33 @@ def build_draft(target, cfg: DraftConfig):
         if missing:
             raise ValueError(f"could not initialise {sorted(missing)[:3]} from the target")
         draft.load_state_dict(dst)
+    if cfg.init_from:
+        _load_weights(draft, cfg.init_from)
     if cfg.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     return draft
+
+
+def _load_weights(draft, path: str) -> None:
+    """Copy a saved draft's weights into `draft` (same shapes), refusing any other checkpoint in one line."""
+    from safetensors.torch import load_file
+
+    from sampling.models import check_weight_files, resolve
+
+    src = resolve(path)
+    check_weight_files(src)
+    files = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+    state = {k: v for f in files if f.name != "token_counts.safetensors" for k, v in load_file(f).items()}
+    mine = draft.state_dict()
+    # tied embeddings are saved once: the head may be absent from the file
+    absent = [k for k in mine if k not in state and not (k == "lm_head.weight" and draft.config.tie_word_embeddings)]
+    wrong = [k for k in state if k in mine and state[k].shape != mine[k].shape]
+    if not state or absent or wrong or set(state) - set(mine):
+        raise ValueError(f"draft.init_from={path} does not hold a draft of this shape ({len(mine)} tensors; "
+                         f"missing {absent[:2]}, other shapes {wrong[:2]}, extra {sorted(set(state) - set(mine))[:2]})"
+                         ": give a best_draft dir trained for this target with the same draft.* settings")
+    draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
 
 
 def truncated_target(target, layers: int):

@@ -50,10 +50,12 @@ class OnPolicy:
     a buffer of 16, the draft that sampled a row is at most 3 optimiser steps old."""
 
     def __init__(self, fraction: float, prompts: tuple[torch.Tensor, torch.Tensor], *, temperature: float,
-                 top_p: float = 1.0, top_k: int = 0, buffer: int = 16, seed: int = 0):
+                 top_p: float = 1.0, top_k: int = 0, buffer: int = 16, seed: int = 0, start: float = 0.0):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"data.on_policy_fraction must be in [0, 1], got {fraction}")
-        self.fraction, self.prompts, self.buffer = fraction, prompts, buffer
+        if not 0.0 <= start < 1.0:
+            raise ValueError(f"data.on_policy_from must be in [0, 1), got {start}")
+        self.fraction, self.prompts, self.buffer, self.start = fraction, prompts, buffer, start
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.generator = torch.Generator().manual_seed(seed)
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # sampled (ids, mask) rows not yet trained on
@@ -81,9 +83,11 @@ class OnPolicy:
         self._rows.extend(zip(ids, mask))
         self.sampled_rows += len(ids)
 
-    def __call__(self, draft, ids: torch.Tensor) -> Batch:
+    def __call__(self, draft, ids: torch.Tensor, progress: float = 1.0) -> Batch:
+        """`progress`: the fraction of training done; before `start` the batch stays as it is (a cold draft's
+        samples are not text: distilling on them from the first step collapsed acceptance, docs/ablation)."""
         B, T = ids.shape
-        n = self.rows(B)
+        n = self.rows(B) if progress >= self.start else 0
         if n == 0:
             return Batch(ids)
         if len(self._rows) < n:

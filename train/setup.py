@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 
 class SetupError(ValueError):
@@ -80,10 +81,62 @@ def loggers(cfg, out_dir: Path) -> list:
 
 def loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
     d = cfg.data
-    train = DataLoader(TensorDataset(blocks["train"]), batch_size=d.batch_size, shuffle=True, drop_last=True,
-                       num_workers=d.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+    train = DataLoader(TensorDataset(blocks["train"]), batch_size=d.batch_size, drop_last=True,
+                       sampler=EpochOrder(len(blocks["train"]), cfg.seed), num_workers=d.num_workers)
     val = blocks["val"][: d.val_blocks]
     return train, DataLoader(TensorDataset(val), batch_size=d.batch_size, num_workers=d.num_workers)
+
+
+class EpochOrder(Sampler[int]):
+    """A shuffle that is a function of (seed, epoch) alone, so a resumed run sees the batches the killed one would
+    have: a DataLoader's `shuffle=True` draws each epoch's order from a generator whose state no checkpoint holds.
+    `skip` rows of epoch `skip_epoch` are left out once (the ones trained on before the checkpoint)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.skip, self.skip_epoch = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it before every epoch
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        skip = self.skip if self.epoch == self.skip_epoch else 0
+        self.skip = 0
+        return iter(order[skip:])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class DataOrder(Callback):
+    """Saves in each checkpoint how many batches of the current epoch were trained on, and on resume makes the
+    sampler skip them: `ckpt_path=last` continues with the next batch, not the epoch's first (Lightning restores
+    the step count, not the position in a plain DataLoader). Under DDP Lightning wraps the sampler in a
+    distributed one, whose split a global skip would shift: there the resumed epoch starts over, as in Lightning."""
+
+    def __init__(self, loader: DataLoader):
+        self.sampler, self.batch_size = loader.sampler, loader.batch_size
+        self.batches, self._resume = 0, None
+
+    def on_train_start(self, trainer, pl_module):
+        if self._resume is not None and trainer.world_size == 1:
+            self.sampler.epoch, self.sampler.skip_epoch = self._resume["epoch"], self._resume["epoch"]
+            self.sampler.skip = self._resume["batches"] * self.batch_size
+
+    def on_train_epoch_start(self, trainer, pl_module):  # not called for an epoch resumed mid-way
+        self.sampler.set_epoch(trainer.current_epoch)  # also when a distributed wrapper hides it from Lightning
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1  # before the step: a checkpoint written after it counts this batch as trained on
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches, self._resume = state["batches"], state
 
 
 def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +158,12 @@ def check_data(cfg, tokenizer) -> None:
     if not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         raise SetupError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
                          f"itself), got {f}")
+    start = d.get("on_policy_from", 0.0)
+    if not isinstance(start, (int, float)) or not 0.0 <= start < 1.0:
+        raise SetupError(f"data.on_policy_from must be in [0, 1) (the fraction of training after which on-policy "
+                         f"rows start), got {start}")
+    if cfg.draft.get("init_from") and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError("draft.init_from continues an independent draft; a feature draft cannot start from one")
     if f > 0 and cfg.draft.get("kind", "independent") == "feature_head":
         raise SetupError(f"data.on_policy_fraction={f}: a feature draft cannot sample alone (it reads the target's "
                          "features); use data=generated (the target's own samples) or data=fixed")
