@@ -110,7 +110,8 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
     calls = []
     op = OnPolicy(0.5, (torch.randint(0, V, (8, 4)), torch.ones(8, 4).long()), temperature=1.0, buffer=4)
     real = op.__call__
-    op_calls = type("Spy", (), {"fraction": 0.5, "__call__": lambda self, d, ids: calls.append(1) or real(d, ids)})()
+    spy = lambda self, d, ids, progress: calls.append(progress) or real(d, ids, progress)  # noqa: E731
+    op_calls = type("Spy", (), {"fraction": 0.5, "__call__": spy})()
     loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
     module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
                          sampler={"temperature": 1.0}, max_steps=4, on_policy=op_calls)
@@ -118,7 +119,7 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
                         default_root_dir=tmp_path, limit_val_batches=0, enable_checkpointing=False)
     trainer.fit(module, data)
-    assert len(calls) == 4
+    assert len(calls) == 4 and calls == sorted(calls) and 0 <= calls[0] < calls[-1] <= 1  # progress handed on
     assert all(torch.equal(before_t[k], v) for k, v in target.state_dict().items())
     assert any(not torch.equal(before_d[k], v) for k, v in draft.state_dict().items())
 
