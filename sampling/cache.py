@@ -4,7 +4,8 @@ transformers' DynamicCache appends with `torch.cat`: every decoding step copies 
 token costs O(length) in copies, and the allocator, handed a slightly larger block per layer per step, keeps RSS
 growing past the cache itself (measured on the demo target at batch 16 and 200 tokens: 293 MB beyond the KV
 caches). Here each layer's keys and values live in one buffer of the generation's final length, written in
-place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark.
+place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark. Used where that
+length is known (plain sampling); speculative decoding's masked holes make it unknown (sampling/speculative.py).
 """
 
 from __future__ import annotations
