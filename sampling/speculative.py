@@ -242,7 +242,7 @@ class _ModelDrafter:
 
     can_draft = True
 
-    def __init__(self, draft, tap):
+    def __init__(self, draft, tap=None):
         self.dec = _Decoder(draft)
         self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
 
