@@ -52,3 +52,36 @@ def test_bad_loss_config_is_refused(logits, weights, msg):
     d, _ = logits
     with pytest.raises(ValueError, match=msg):
         losses.draft_loss(d, torch.zeros(16, dtype=torch.long), None, weights)
+
+
+def test_the_teacher_cache_asks_the_target_once_per_block_and_keeps_its_distribution():
+    from train.teacher import TeacherCache
+
+    g = torch.Generator().manual_seed(1)
+    true = torch.randn(4, 6, 50, generator=g) * 3  # 4 blocks, 6 label positions, V 50
+    asked = []
+
+    def teacher(rows):
+        def f(miss):
+            asked.append(rows[miss].tolist())
+            return true[rows[miss]]
+        return f
+
+    cache = TeacherCache(4, 6, 8, 50)
+    first = cache.logits(torch.tensor([0, 2]), teacher(torch.tensor([0, 2])))
+    second = cache.logits(torch.tensor([2, 3]), teacher(torch.tensor([2, 3])))
+    third = cache.logits(torch.tensor([3, 0]), teacher(torch.tensor([3, 0])))
+    assert asked == [[0, 2], [3]]  # block 2 and then both blocks came from the cache
+    assert (cache.hits, cache.misses) == (3, 3)
+    torch.testing.assert_close(second[0], first[1], rtol=0, atol=0)  # a later visit sees what the first saw
+    torch.testing.assert_close(third, torch.stack([second[1], first[0]]), rtol=0, atol=0)
+    # the kept top-k have the target's probabilities, the rest its exact tail mass spread evenly
+    p, q = true[[0, 2]].softmax(-1), first.softmax(-1)
+    top = p.topk(8, -1)
+    torch.testing.assert_close(q.gather(-1, top.indices), top.values, rtol=2e-3, atol=1e-4)
+    torch.testing.assert_close(q.sum(-1) - q.gather(-1, top.indices).sum(-1), 1 - top.values.sum(-1),
+                               rtol=0, atol=1e-3)  # fp16 rounding of the kept entries
+    for name in losses.DIVERGENCES:  # finite for every divergence, reverse KL included
+        assert torch.isfinite(losses.DIVERGENCES[name](true[[0, 2]].flatten(0, 1), first.flatten(0, 1)))
+    with pytest.raises(ValueError, match="teacher_topk"):
+        TeacherCache(4, 6, 50, 50)

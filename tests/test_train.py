@@ -113,6 +113,39 @@ def test_training_changes_the_draft_and_never_the_target(tmp_path):
     assert ckpt["state_dict"] and all(k.startswith("draft.") for k in ckpt["state_dict"])
 
 
+def test_kept_teacher_logits_spare_the_target_after_the_first_epoch(tmp_path):
+    """Real Lightning fit, 3 epochs of 2 batches: with loss.teacher_topk the target runs in the first epoch only,
+    and the losses follow the full teacher's (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
+    from conftest import tiny_llama
+
+    from train.models import DraftConfig, build_draft
+    from train.module import DraftModule
+    from train.teacher import TeacherCache
+
+    blocks = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for cached in (False, True):
+        torch.manual_seed(0)
+        target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
+        draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+        calls = []
+        target.register_forward_hook(lambda m, a, k, o: calls.append(1), with_kwargs=True)
+        loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
+        cache = TeacherCache(8, 11, 31, 32) if cached else None
+        module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
+                             sampler={"temperature": 1.0}, max_steps=6, teacher_cache=cache)
+        seen = []
+        module.log = lambda name, v, **kw: seen.append(float(v)) if name == "train/loss" else None
+        data = DataLoader(TensorDataset(blocks, torch.arange(8)), batch_size=4)
+        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+        trainer.fit(module, data)
+        losses[cached] = seen
+        assert len(calls) == (2 if cached else 6)
+    assert len(losses[True]) == 6 and losses[True][0] == pytest.approx(losses[False][0], rel=1e-2)
+    assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row mixed up with another: far off
+
+
 def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     from transformers import AutoModelForCausalLM
 

@@ -46,6 +46,7 @@ from train.setup import (
     split_prompts,
     validation_prompts,
 )
+from train.teacher import TeacherCache
 
 log = logging.getLogger("draftsmith")
 
@@ -86,9 +87,12 @@ def train(cfg: DictConfig) -> dict:
                          f"({target.config.vocab_size}); drafts must share the target's tokenizer")
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
+    topk = cfg.loss.get("teacher_topk", 0)
+    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size) \
+        if topk else None
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
-                         on_policy=on_policy, unroll=draft_cfg.unroll)
+                         on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
     on_target = on_target_prompts(cfg, tok, blocks, val_prompts)

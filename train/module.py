@@ -15,6 +15,7 @@ from sampling.rejection import expected_acceptance
 from train.feature import feature_alpha, teacher_pass, unrolled
 from train.losses import draft_loss
 from train.onpolicy import Batch, OnPolicy
+from train.teacher import TeacherCache
 
 
 class DraftModule(L.LightningModule):
@@ -25,7 +26,7 @@ class DraftModule(L.LightningModule):
     """
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
-                 on_policy: OnPolicy | None = None, unroll: int = 4):
+                 on_policy: OnPolicy | None = None, unroll: int = 4, teacher_cache: TeacherCache | None = None):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -38,6 +39,7 @@ class DraftModule(L.LightningModule):
         self.nonfinite_steps, self._nonfinite_run, self.max_nonfinite = 0, 0, 5
         self.feature = is_feature_draft(draft)
         self.unroll = unroll  # feature draft: steps of the training-time test
+        self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
 
     @property
     def target(self):
@@ -46,11 +48,16 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
 
-    def _target_logits(self, b: Batch):
+    def _target_logits(self, b: Batch, rows: torch.Tensor | None):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
-            return b.logits(self.target)
+            if self.teacher_cache is None or rows is None or b.loss_mask is not None:  # on-policy rows: new each time
+                return b.logits(self.target)
+            cache = self.teacher_cache
+            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target))
+            self.log("train/teacher_cache_hit_rate", cache.hit_rate)
+            return logits.to(self.device)
 
     def _progress(self) -> float:
         """Fraction of training done: by steps, or by wall time when `trainer.max_time` bounds the run (so a
@@ -72,6 +79,7 @@ class DraftModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        rows = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None  # block indices
         b = Batch(ids)
         if self.on_policy is not None:
             t = time.perf_counter()
@@ -80,7 +88,7 @@ class DraftModule(L.LightningModule):
         if self.feature:
             logits, tlogits, labels = self._feature_logits(b)
         else:
-            logits, tlogits, labels = self._draft_logits(b)
+            logits, tlogits, labels = self._draft_logits(b, rows)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
                                   self.loss_cfg.get("compile", True))
         if not bool(torch.isfinite(total)):  # skip the step (no backward, no update); stop if it keeps happening
@@ -112,9 +120,9 @@ class DraftModule(L.LightningModule):
         logits, tlogits, labels = (torch.cat(x) for x in zip(*steps))
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
 
-    def _draft_logits(self, b: Batch):
+    def _draft_logits(self, b: Batch, rows: torch.Tensor | None = None):
         logits = b.logits(self.draft)  # (B, T-1, V)
-        tlogits = self._target_logits(b)
+        tlogits = self._target_logits(b, rows)
         V = logits.shape[-1]
         logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
         tlogits = None if tlogits is None else tlogits.reshape(-1, V)

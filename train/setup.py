@@ -81,7 +81,8 @@ def loggers(cfg, out_dir: Path) -> list:
 
 def loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
     d = cfg.data
-    train = DataLoader(TensorDataset(blocks["train"]), batch_size=d.batch_size, drop_last=True,
+    rows = torch.arange(len(blocks["train"]))  # each block's index: the key of its kept teacher logits
+    train = DataLoader(TensorDataset(blocks["train"], rows), batch_size=d.batch_size, drop_last=True,
                        sampler=EpochOrder(len(blocks["train"]), cfg.seed), num_workers=d.num_workers)
     val = blocks["val"][: d.val_blocks]
     return train, DataLoader(TensorDataset(val), batch_size=d.batch_size, num_workers=d.num_workers)
@@ -179,6 +180,10 @@ def check_data(cfg, tokenizer) -> None:
     if d.chat_template and not getattr(tokenizer, "chat_template", None):
         raise SetupError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
                          "set data.chat_template=false")
+    topk = cfg.loss.get("teacher_topk", 0)
+    if topk and (not cfg.loss.get("distill", True) or cfg.draft.get("kind", "independent") == "feature_head"):
+        raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distilling an independent draft; "
+                         "with loss=ce or a feature draft (which reads the target's features every step) set it to 0")
     g = d.generated
     if g.enabled:
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
