@@ -16,7 +16,7 @@ import torch
 from sampling.feature import is_feature_draft
 from sampling.models import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
 from sampling.probs import SamplingConfig
-from sampling.pruned import prune_from_dir
+from sampling.pruned import PrunedHeadDraft, prune_from_dir
 from sampling.speculative import autoregressive_generate, speculative_generate
 
 
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
             if args.draft_vocab and is_feature_draft(draft):
                 raise ValueError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
                                  "training (draft.draft_vocab)")
+            if args.draft_vocab and isinstance(draft, PrunedHeadDraft):
+                raise ValueError(f"{args.draft} was trained with a head of {len(draft.token_ids)} tokens and runs "
+                                 "with it: drop --draft-vocab")
             if args.draft_vocab:
                 try:
                     draft = prune_from_dir(draft, args.draft, args.draft_vocab, [tok.eos_token_id])

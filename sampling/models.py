@@ -20,6 +20,7 @@ import torch
 
 from sampling import kernels, precision
 from sampling.feature import FeatureDraft, is_feature_dir
+from sampling.pruned import trained_head
 
 # The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
 # a native-bf16 EPYC and 7-70x slower for any real matmul on an AVX2-only one. `auto` measures; it is the default.
@@ -232,7 +233,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
         kernels.install(model, cache=cache_home() / "kernels.json")
         dtype = precision.decode_dtype(model)
         if dtype == "fp32":
-            return model
+            return trained_head(model, path)
         # loaded again, not cast: `.to(bf16)` would also cast buffers (RoPE's inv_freq) that from_pretrained keeps
         # in fp32, and the model would differ from the one a user loads with dtype=bf16
         del model
@@ -242,7 +243,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
         precision.check_choice(dtype, role, model)
     check_finite(model, path)
     kernels.install(model, cache=cache_home() / "kernels.json")
-    return model
+    return trained_head(model, path)  # a draft trained with a pruned head runs with it
 
 
 def check_remote_code(path: Path, allowed: bool) -> None:

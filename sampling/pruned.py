@@ -74,6 +74,30 @@ def token_counts_file(draft_dir):
     return old if old.is_file() and not new.is_file() else new
 
 
+# A draft trained with a pruned head (`draft.draft_vocab`) keeps its head's token ids here. Its other head rows were
+# never fitted to the target, so it must run pruned: `load_model` wraps such a draft on load.
+HEAD_TOKENS = "draftsmith/head_tokens.safetensors"
+
+
+def trained_head(draft, draft_dir):
+    """`draft` with the head it was trained with when its directory holds `HEAD_TOKENS`, else `draft` as is."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    f = Path(draft_dir) / HEAD_TOKENS
+    if not f.is_file():
+        return draft
+    try:
+        ids = load_file(f)["token_ids"]
+    except Exception as e:  # a torn or foreign file: name it, one line
+        raise ValueError(f"{f} is not a head-token file of ours ({type(e).__name__}: {str(e)[:80]})") from None
+    V = draft.get_output_embeddings().weight.shape[0]
+    if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= V or len(ids.unique()) != len(ids):
+        raise ValueError(f"{f} must hold distinct token ids in [0, {V}) (the draft's vocabulary)")
+    return PrunedHeadDraft(draft, ids)
+
+
 def prune_from_dir(draft, draft_dir, n: int, always=()) -> PrunedHeadDraft:
     """Prune `draft` to the n most frequent tokens of its corpus, read from `TOKEN_COUNTS` (written by
     train/draft.py beside the best draft). FileNotFoundError when the counts are not there."""

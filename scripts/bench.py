@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         return 2
     drafts = dict(full_drafts)
     if args.draft_vocab:  # the pruned head of an independent draft (a feature draft's head is set in training)
-        drafts = {n: d if is_feature_draft(d) else pruned_draft(d, Path(p), tok, args.draft_vocab)
+        drafts = {n: d if is_feature_draft(d) or isinstance(d, PrunedHeadDraft)  # head chosen in training
+                  else pruned_draft(d, Path(p), tok, args.draft_vocab)
                   for (n, d), p in zip(full_drafts.items(), args.draft)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

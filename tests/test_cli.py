@@ -27,12 +27,22 @@ def test_generate_prints_text_and_stats(smoke_run):
     assert "alpha" in plain.stdout and "tokens_per_call" in plain.stdout and plain.stdout.startswith("def f(x):")
 
 
-def test_pruned_draft_vocab_from_the_cli(smoke_run):
+def test_pruned_draft_vocab_from_the_cli(smoke_run, tmp_path):
+    """--draft-vocab prunes a full-head draft; a draft trained with a pruned head (the smoke recipe's) runs with
+    it and refuses another."""
+    import shutil
+
+    from sampling.pruned import HEAD_TOKENS
+
     out, _ = smoke_run
-    res = cli("--draft", str(out / "best_draft"), "--prompt", "import os", "--max-new-tokens", "8", "--draft-vocab",
-              "64", "--json")
+    full = tmp_path / "full_head"
+    shutil.copytree(out / "best_draft", full)
+    (full / HEAD_TOKENS).unlink()
+    res = cli("--draft", str(full), "--prompt", "import os", "--max-new-tokens", "8", "--draft-vocab", "64", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["stats"]["new_tokens"] == 8
+    bad = cli("--draft", str(out / "best_draft"), "--prompt", "import os", "--draft-vocab", "64")
+    assert bad.returncode == 2 and "trained with a head of" in bad.stderr and "drop --draft-vocab" in bad.stderr
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -82,6 +82,7 @@ def test_entry_trains_a_feature_draft(tmp_path):
 
     run = tmp_path / "run"
     r = run_entry("recipe=smoke", "draft=feature_head", "draft.draft_vocab=128", "draft.vocab_source=stdlib",
+                  "loss.teacher_topk=0",  # a feature draft reads the target's features every step
                   f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "feature draft: 1 layer" in r.stdout + r.stderr

@@ -134,3 +134,47 @@ def test_runs_started_in_the_same_second_get_their_own_run_dirs():
         cfg = compose("draft", return_hydra_config=True)
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"]
     assert run_dir.startswith("outputs/") and run_dir.endswith(f"-{os.getpid()}")
+
+
+TOKENIZE = """
+import sys
+from pathlib import Path
+from sampling.models import load_tokenizer
+from train.corpus import load_blocks
+tok = load_tokenizer("tiny-random")
+Path(sys.argv[2]).touch()
+load_blocks(sys.argv[1], tok, 64)
+"""
+
+
+def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebuilt(tmp_path):
+    """Killed while tokenising: nothing is left under the cache's name, and the next run builds the blocks an
+    uninterrupted run builds; a cache file damaged on disk is rebuilt, not read."""
+    import torch
+
+    from sampling.models import cache_home, load_tokenizer
+    from train.corpus import _fingerprint, load_blocks
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(400):
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 200)
+    tok = load_tokenizer("tiny-random")
+    cached = cache_home() / "corpus" / f"{_fingerprint(str(corpus), tok, 64, 0.03, 0, 'text', None)}.safetensors"
+    started = tmp_path / "started"
+    proc = _start(TOKENIZE, corpus, started)
+    t0 = [None]
+
+    def tokenising_for_a_while():  # 0.3 s into load_blocks: reading and tokenising the documents
+        if t0[0] is None and started.exists():
+            t0[0] = time.time()
+        return t0[0] is not None and time.time() - t0[0] > 0.3
+
+    assert _kill_when(proc, tokenising_for_a_while), "tokenisation finished before it could be killed"
+    assert not cached.exists()
+    blocks = load_blocks(str(corpus), tok, 64)
+    assert cached.is_file() and len(blocks["train"]) > 100
+    cached.write_bytes(cached.read_bytes()[:1000])  # torn on disk
+    with pytest.warns(UserWarning, match="rebuilding"):
+        again = load_blocks(str(corpus), tok, 64)
+    assert all(torch.equal(again[k], blocks[k]) for k in blocks)

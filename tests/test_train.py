@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from sampling.pruned import TOKEN_COUNTS
+from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -146,6 +146,54 @@ def test_kept_teacher_logits_spare_the_target_after_the_first_epoch(tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row mixed up with another: far off
 
 
+def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
+    """draft.draft_vocab for an independent draft: the step computes only the head's rows (same numbers as the
+    full head's), the teacher's kept logits come out in the head's order, validation runs the pruned draft, and
+    the saved draft loads with that head (its other rows were never fitted), a damaged head file refused."""
+    from sampling.models import load_model, load_tokenizer
+    from sampling.pruned import HEAD_TOKENS, PrunedHeadDraft
+    from train.models import DraftConfig, build_draft
+    from train.module import DraftModule
+    from train.onpolicy import Batch
+    from train.report import save_draft
+    from train.teacher import TeacherCache
+
+    target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
+    draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target", freeze_embeddings=True))
+    head = torch.tensor([0, 2, 3, 7, 11, 12, 20, 31])
+    blocks = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
+    b = Batch(blocks[:2])
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(draft, head), b.logits(draft)[..., head])
+        cache = TeacherCache(8, 11, 6, 32)
+        dense = cache.logits(torch.tensor([0, 1]), lambda miss: b.logits(target))
+        torch.testing.assert_close(cache.logits(torch.tensor([0, 1]), None, columns=head), dense[..., head])
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
+    module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
+                         sampler={"temperature": 1.0}, max_steps=4, teacher_cache=TeacherCache(8, 11, 6, 32),
+                         head_tokens=head)
+    data = DataLoader(TensorDataset(blocks, torch.arange(8)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=1,
+                        val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    trainer.fit(module, data, DataLoader(TensorDataset(blocks[:4]), batch_size=4))
+    assert any(not torch.equal(before[k], v) for k, v in draft.state_dict().items())
+    assert 0 < float(trainer.callback_metrics["val/alpha_analytic"]) <= 1
+    assert isinstance(module.sampling_draft(), PrunedHeadDraft)
+
+    out = save_draft(draft, load_tokenizer("tiny-random"), tmp_path / "best_draft", head_tokens=head)
+    loaded = load_model(str(out), "fp32")
+    assert isinstance(loaded, PrunedHeadDraft) and torch.equal(loaded.token_ids, head)
+    with torch.no_grad():
+        full, pruned = draft(input_ids=blocks[:1]).logits, loaded(input_ids=blocks[:1]).logits
+    torch.testing.assert_close(pruned[..., head], full[..., head])
+    assert bool((pruned[..., [1, 4, 30]] == float("-inf")).all())
+    (out / HEAD_TOKENS).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="head_tokens.safetensors is not a head-token file"):
+        load_model(str(out), "fp32")
+
+
 def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     from transformers import AutoModelForCausalLM
 
@@ -162,6 +210,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
     assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "best_draft" / TOKEN_COUNTS).is_file()
+    assert report["draft_head_tokens"] >= 1024 and (out / "best_draft" / HEAD_TOKENS).is_file()  # smoke's pruned head
     rows = list(csv.DictReader((out / "csv" / "metrics.csv").open()))
     logged = {k for r in rows for k, v in r.items() if v}
     assert {"train/loss", "train/tv", "val/alpha", "val/alpha_analytic", "val/tokens_per_call", "train/lr",

@@ -65,7 +65,7 @@ class AcceptanceCallback(L.Callback):
             self.on_target = self._target_samples(module)
         if self.measure_cost and self.cost is None:
             # c depends on the draft's shape, not its weights: measure once, in the target's dtype.
-            draft = copy.deepcopy(module.draft).to(module.target.dtype).eval()
+            draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval()
             self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7)
             del draft
 
@@ -74,7 +74,8 @@ class AcceptanceCallback(L.Callback):
             return
         dev = module.device
         ids, mask = self.prompts.to(dev), self.mask.to(dev)
-        gen = speculative_generate(module.target, module.draft, ids, attention_mask=mask,
+        draft = module.sampling_draft()
+        gen = speculative_generate(module.target, draft, ids, attention_mask=mask,
                                    max_new_tokens=self.max_new_tokens, k=self.k,
                                    generator=torch.Generator(device=dev).manual_seed(self.seed), **self.sampling)
         s = gen.stats
@@ -83,7 +84,7 @@ class AcceptanceCallback(L.Callback):
         if self.on_target is not None:
             b = self.on_target
             b = Batch(b.ids.to(dev), b.mask.to(dev), b.loss_mask.to(dev))
-            metrics["val/alpha_on_target"] = alpha_on_samples(module.target, module.draft, b,
+            metrics["val/alpha_on_target"] = alpha_on_samples(module.target, draft, b,
                                                               SamplingConfig(**self.sampling), k=self.k)
         if self.cost:
             metrics["val/c"] = self.cost["c"]
@@ -93,14 +94,14 @@ class AcceptanceCallback(L.Callback):
             module.log(name, float(value), sync_dist=True, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
         self.history.append({"step": trainer.global_step, **{k: float(v) for k, v in metrics.items()}})
         if self.log_samples and trainer.is_global_zero:
-            self._log_samples(trainer, module, gen)
+            self._log_samples(trainer, module, draft, gen)
 
-    def _log_samples(self, trainer, module, gen):
+    def _log_samples(self, trainer, module, draft, gen):
         n = min(self.log_samples, len(self.prompts))
         ids, mask = self.prompts[:n].to(module.device), self.mask[:n].to(module.device)
-        if is_feature_draft(module.draft):  # it cannot write alone: it reads the target's features
+        if is_feature_draft(draft):  # it cannot write alone: it reads the target's features
             return
-        own = autoregressive_generate(module.draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+        own = autoregressive_generate(draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
                                       generator=torch.Generator(device=module.device).manual_seed(self.seed),
                                       **self.sampling)
         rows = []

@@ -110,7 +110,13 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
     path = cache_home() / "corpus" / f"{key}.safetensors"
     if path.is_file():
-        return load_file(path)
+        try:
+            return load_file(path)
+        except Exception as e:  # written whole by rename, so only damage on disk gets here: it is a cache
+            import warnings
+
+            warnings.warn(f"{path} is damaged ({type(e).__name__}): rebuilding it from {source}")
+            path.unlink()
     docs = _documents(source, text_field, max_documents)
     if not docs:
         raise CorpusError(f"corpus {source} is empty")

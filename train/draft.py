@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sampling.models import ModelNotFound, cache_home, load_model, load_tokenizer
 from sampling.precision import trainer_precision
+from sampling.pruned import top_tokens
 from train.callbacks import AcceptanceCallback
 from train.corpus import CorpusError, generate_corpus, load_blocks
 from train.feature import build_feature_draft
@@ -82,6 +83,10 @@ def train(cfg: DictConfig) -> dict:
                                     _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head)
     else:
         draft = build_draft(target, draft_cfg)
+    head_tokens = None
+    if draft_cfg.draft_vocab and draft_cfg.kind != "feature_head":  # the sampler's choice of rows (+ EOS)
+        head_tokens = top_tokens(_head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.draft_vocab,
+                                 [tok.eos_token_id])
     if draft.config.vocab_size != target.config.vocab_size:
         raise SetupError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
                          f"({target.config.vocab_size}); drafts must share the target's tokenizer")
@@ -92,7 +97,8 @@ def train(cfg: DictConfig) -> dict:
         if topk else None
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
-                         on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache)
+                         on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache,
+                         head_tokens=head_tokens)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
     on_target = on_target_prompts(cfg, tok, blocks, val_prompts)

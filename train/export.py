@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
 from sampling.feature import is_feature_draft
@@ -40,7 +41,7 @@ from sampling.models import (
     tokenizer_mismatches,
 )
 from sampling.precision import describe_run, run_info
-from sampling.pruned import TOKEN_COUNTS, token_counts_file
+from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft, token_counts_file
 from train.conformance import bundle_hashes
 from train.evaluate import acceptance_by_set
 from train.report import draft_from_checkpoint
@@ -186,7 +187,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         arch = src.parent.parent / "best_draft"
         if not (arch / "config.json").is_file():
             raise ExportError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
-        draft = draft_from_checkpoint(load_model(str(arch), "fp32"), str(src)).to(target.dtype)
+        base = load_model(str(arch), "fp32")
+        pruned = isinstance(base, PrunedHeadDraft)  # the checkpoint holds the HF model's weights, not the wrapper's
+        draft = draft_from_checkpoint(base.draft if pruned else base, str(src))
+        draft = (PrunedHeadDraft(draft, base.token_ids) if pruned else draft).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
         draft, draft_tok = load_model(str(src), dtype), load_tokenizer(str(src))
@@ -202,6 +206,9 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     spec = {
         "format": "draftsmith-speculative/1",
         "draft_kind": "feature_head" if feature else "independent",
+        # trained with a pruned head (draftsmith/head_tokens.safetensors): our sampler runs it so; engines that
+        # load the draft as a plain model run its full head, exact still, accepted less
+        "draft_head_tokens": len(draft.token_ids) if isinstance(draft, PrunedHeadDraft) else None,
         "sampler_mode": "speculative_sampling (Chen et al. 2023, Algorithm 2): exact, draft sampled from p",
         "recommended_k": k_rec,
         "measured_k": sampler["k"],
@@ -225,8 +232,12 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             if not feature:
                 draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
                                                assistant_confidence_threshold=0.0)
-            draft.save_pretrained(ddir, safe_serialization=True)
+            pruned = isinstance(draft, PrunedHeadDraft)  # trained with a pruned head: its rows ride along
+            (draft.draft if pruned else draft).save_pretrained(ddir, safe_serialization=True)
             draft_tok.save_pretrained(ddir)
+            if pruned:
+                (ddir / HEAD_TOKENS).parent.mkdir(exist_ok=True)
+                save_file({"token_ids": draft.token_ids.cpu().contiguous()}, ddir / HEAD_TOKENS)
             counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
             if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
                 (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)

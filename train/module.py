@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Timer
 
 from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig, process_logits
+from sampling.pruned import PrunedHeadDraft
 from sampling.rejection import expected_acceptance
 from train.feature import feature_alpha, teacher_pass, unrolled
 from train.losses import draft_loss
@@ -26,7 +27,8 @@ class DraftModule(L.LightningModule):
     """
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
-                 on_policy: OnPolicy | None = None, unroll: int = 4, teacher_cache: TeacherCache | None = None):
+                 on_policy: OnPolicy | None = None, unroll: int = 4, teacher_cache: TeacherCache | None = None,
+                 head_tokens: torch.Tensor | None = None):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -40,6 +42,7 @@ class DraftModule(L.LightningModule):
         self.feature = is_feature_draft(draft)
         self.unroll = unroll  # feature draft: steps of the training-time test
         self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
+        self.head_tokens = head_tokens  # an independent draft's pruned head: trained and run over these tokens only
 
     @property
     def target(self):
@@ -47,15 +50,25 @@ class DraftModule(L.LightningModule):
 
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
+        if self.head_tokens is not None:
+            self.head_tokens = self.head_tokens.to(self.device)
+
+    def sampling_draft(self):
+        """The draft as the sampler runs it: with its pruned head when it is trained with one."""
+        if self.head_tokens is None or self.feature:
+            return self.draft
+        return PrunedHeadDraft(self.draft, self.head_tokens)
 
     def _target_logits(self, b: Batch, rows: torch.Tensor | None):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
             if self.teacher_cache is None or rows is None or b.loss_mask is not None:  # on-policy rows: new each time
-                return b.logits(self.target)
+                logits = b.logits(self.target)
+                return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
             cache = self.teacher_cache
-            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target))
+            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target),
+                                  columns=self.head_tokens)
             self.log("train/teacher_cache_hit_rate", cache.hit_rate)
             return logits.to(self.device)
 
@@ -121,10 +134,14 @@ class DraftModule(L.LightningModule):
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
 
     def _draft_logits(self, b: Batch, rows: torch.Tensor | None = None):
-        logits = b.logits(self.draft)  # (B, T-1, V)
+        logits = b.logits(self.draft, self.head_tokens)  # (B, T-1, V), or (B, T-1, N) over a pruned head's tokens
         tlogits = self._target_logits(b, rows)
         V = logits.shape[-1]
         logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
+        if self.head_tokens is not None:  # labels as head positions; a token outside the head is no class (-100)
+            where = torch.full((self.draft.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
+            where[self.head_tokens] = torch.arange(V, device=labels.device)
+            labels = where[labels]
         tlogits = None if tlogits is None else tlogits.reshape(-1, V)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
@@ -143,10 +160,13 @@ class DraftModule(L.LightningModule):
             self.log("val/alpha_analytic", sum(steps) / len(steps), sync_dist=True, prog_bar=True)
             return
         inputs, labels = ids[:, :-1], ids[:, 1:]
-        logits = self.draft(input_ids=inputs).logits
+        logits = self.sampling_draft()(input_ids=inputs).logits  # a pruned head's: -inf outside its tokens
         tlogits = self.target(input_ids=inputs).logits  # validation already runs without grad
         V = logits.shape[-1]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1))
+        labels = labels.reshape(-1)
+        if self.head_tokens is not None:  # a token outside a pruned head has no class (its logit is -inf)
+            labels = torch.where(torch.isin(labels, self.head_tokens), labels, -100)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels)
         acc = []
         for lp, lq in zip(logits.reshape(-1, V).split(512), tlogits.reshape(-1, V).split(512)):
             acc.append(expected_acceptance(process_logits(lp, self.sampling), process_logits(lq, self.sampling)))

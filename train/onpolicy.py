@@ -32,11 +32,16 @@ class Batch:
             return None
         return (self.mask.long().cumsum(1) - 1).clamp_min(0)
 
-    def logits(self, model) -> torch.Tensor:
-        """(B, T-1, V) logits at every position but the last (whose prediction has no label), padding-aware."""
+    def logits(self, model, head_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T-1, V) logits at every position but the last (whose prediction has no label), padding-aware;
+        (B, T-1, N) over `head_tokens` only when given (a pruned head: the other rows are never computed)."""
         pos = self.positions()
-        return model(input_ids=self.ids[:, :-1], attention_mask=None if self.mask is None else self.mask[:, :-1],
-                     position_ids=None if pos is None else pos[:, :-1]).logits
+        kw = dict(input_ids=self.ids[:, :-1], attention_mask=None if self.mask is None else self.mask[:, :-1],
+                  position_ids=None if pos is None else pos[:, :-1])
+        if head_tokens is None:
+            return model(**kw).logits
+        head = model.get_output_embeddings().weight.index_select(0, head_tokens)
+        return torch.nn.functional.linear(model.model(**kw).last_hidden_state, head)
 
 
 class OnPolicy:

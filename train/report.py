@@ -11,7 +11,7 @@ import torch
 
 from sampling.cost import measure_costs, predicted_speedup
 from sampling.precision import describe_run, run_info
-from sampling.pruned import TOKEN_COUNTS
+from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
 from train.evaluate import acceptance_by_set
 from train.models import truncated_target
 
@@ -24,16 +24,19 @@ def draft_from_checkpoint(draft, ckpt_path: str):
     return out.eval()
 
 
-def save_draft(draft, tokenizer, path: Path, token_counts: torch.Tensor | None = None) -> Path:
+def save_draft(draft, tokenizer, path: Path, token_counts: torch.Tensor | None = None,
+               head_tokens: torch.Tensor | None = None) -> Path:
     """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is. The corpus'
-    token counts ride along (`TOKEN_COUNTS`) for an exact pruned draft head (sampling/pruned.py)."""
+    token counts ride along (`TOKEN_COUNTS`) for an exact pruned draft head (sampling/pruned.py), and the head's
+    tokens (`HEAD_TOKENS`) of a draft trained with a pruned head, which `load_model` then runs with it."""
     from safetensors.torch import save_file
 
     draft.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    if token_counts is not None:
-        (path / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
-        save_file({"counts": token_counts.contiguous()}, path / TOKEN_COUNTS)
+    for name, key, tensor in ((TOKEN_COUNTS, "counts", token_counts), (HEAD_TOKENS, "token_ids", head_tokens)):
+        if tensor is not None:
+            (path / name).parent.mkdir(exist_ok=True)
+            save_file({key: tensor.detach().cpu().contiguous()}, path / name)
     return path
 
 
@@ -57,7 +60,11 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
     last = module.draft.eval()
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
-    best_dir = save_draft(best, tokenizer, out_dir / "best_draft", token_counts)
+    head = None if module.feature else module.head_tokens
+    best_dir = save_draft(best, tokenizer, out_dir / "best_draft", token_counts, head)
+    n_params = sum(p.numel() for p in best.parameters())
+    if head is not None:  # measured as the sampler will run them: with the head they were trained with
+        best, last = PrunedHeadDraft(best, head).eval(), PrunedHeadDraft(last, head).eval()
     drafts = {"best": best, "last": last}
     if cfg.eval.baseline:
         drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)
@@ -83,7 +90,8 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "training_precision": precision,  # the draft's; the target's and the cost models' are in run_info
         **run_info(target=target, draft=cost_draft),
         "draft_layers": best.config.num_hidden_layers,
-        "draft_params": sum(p.numel() for p in best.parameters()),
+        "draft_params": n_params,
+        "draft_head_tokens": None if head is None else len(head),
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     return report

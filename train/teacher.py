@@ -33,9 +33,10 @@ class TeacherCache:
         self.filled = torch.zeros(rows, dtype=torch.bool)
         self.hits = self.misses = 0
 
-    def logits(self, rows: torch.Tensor, teacher) -> torch.Tensor:
+    def logits(self, rows: torch.Tensor, teacher, columns: torch.Tensor | None = None) -> torch.Tensor:
         """(B, positions, V) float32 logits (log-probabilities) of the blocks `rows`; `teacher(mask)` gives the
-        target's logits (m, positions, V) of the batch rows `mask` selects, and is called only for unseen blocks."""
+        target's logits (m, positions, V) of the batch rows `mask` selects, and is called only for unseen blocks.
+        `columns`: only those tokens' logits, (B, positions, N), in their order (a pruned draft head's)."""
         rows = rows.cpu()
         miss = ~self.filled[rows]
         if miss.any():
@@ -43,8 +44,14 @@ class TeacherCache:
         self.misses += int(miss.sum())
         self.hits += len(rows) - int(miss.sum())
         vals, idx, fill = self.values[rows].float(), self.index[rows].long(), self.fill[rows]
-        out = fill.unsqueeze(-1).expand(*fill.shape, self.vocab).clone()
-        return out.scatter_(-1, idx, vals)
+        n = self.vocab
+        if columns is not None:  # kept entries outside `columns` land in a spare last column, then dropped
+            n = len(columns)
+            where = torch.full((self.vocab,), n, dtype=torch.long)
+            where[columns.cpu()] = torch.arange(n)
+            idx = where[idx]
+        out = fill.unsqueeze(-1).expand(*fill.shape, n + (columns is not None)).clone()
+        return out.scatter_(-1, idx, vals)[..., :n]
 
     def _store(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
         logp = torch.log_softmax(logits.detach().float().cpu(), -1)  # in fp16 near 0, where the mass is
