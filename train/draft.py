@@ -85,6 +85,9 @@ def train(cfg: DictConfig) -> dict:
         draft = build_draft(target, draft_cfg)
     head_tokens = None
     if draft_cfg.draft_vocab and draft_cfg.kind != "feature_head":  # the sampler's choice of rows (+ EOS)
+        if draft_cfg.draft_vocab >= target.config.vocab_size:
+            raise SetupError(f"draft.draft_vocab={draft_cfg.draft_vocab} prunes nothing: the target has "
+                             f"{target.config.vocab_size} tokens; set it lower or to null (the full head)")
         head_tokens = top_tokens(_head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.draft_vocab,
                                  [tok.eos_token_id])
     if draft.config.vocab_size != target.config.vocab_size:
