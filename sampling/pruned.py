@@ -98,6 +98,11 @@ def trained_head(draft, draft_dir):
     return PrunedHeadDraft(draft, ids)
 
 
+def split_head(draft):
+    """(the plain model, its head's token ids) of a draft trained with a pruned head; (draft, None) otherwise."""
+    return (draft.draft, draft.token_ids) if isinstance(draft, PrunedHeadDraft) else (draft, None)
+
+
 def prune_from_dir(draft, draft_dir, n: int, always=()) -> PrunedHeadDraft:
     """Prune `draft` to the n most frequent tokens of its corpus, read from `TOKEN_COUNTS` (written by
     train/draft.py beside the best draft). FileNotFoundError when the counts are not there."""

@@ -96,8 +96,8 @@ def train(cfg: DictConfig) -> dict:
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     topk = cfg.loss.get("teacher_topk", 0)
-    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size) \
-        if topk else None
+    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
+                                 head_tokens) if topk else None
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                          on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache,

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from sampling.cost import best_k, measure_costs, predicted_speedup
 from sampling.feature import is_feature_draft
@@ -41,10 +40,10 @@ from sampling.models import (
     tokenizer_mismatches,
 )
 from sampling.precision import describe_run, run_info
-from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft, token_counts_file
+from sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
 from train.conformance import bundle_hashes
 from train.evaluate import acceptance_by_set
-from train.report import draft_from_checkpoint
+from train.report import draft_from_checkpoint, save_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -187,10 +186,9 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         arch = src.parent.parent / "best_draft"
         if not (arch / "config.json").is_file():
             raise ExportError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
-        base = load_model(str(arch), "fp32")
-        pruned = isinstance(base, PrunedHeadDraft)  # the checkpoint holds the HF model's weights, not the wrapper's
-        draft = draft_from_checkpoint(base.draft if pruned else base, str(src))
-        draft = (PrunedHeadDraft(draft, base.token_ids) if pruned else draft).to(target.dtype)
+        model, head = split_head(load_model(str(arch), "fp32"))  # the checkpoint holds the plain model's weights
+        draft = draft_from_checkpoint(model, str(src))
+        draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
         draft, draft_tok = load_model(str(src), dtype), load_tokenizer(str(src))
@@ -232,12 +230,8 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             if not feature:
                 draft.generation_config.update(num_assistant_tokens=k_rec, num_assistant_tokens_schedule="constant",
                                                assistant_confidence_threshold=0.0)
-            pruned = isinstance(draft, PrunedHeadDraft)  # trained with a pruned head: its rows ride along
-            (draft.draft if pruned else draft).save_pretrained(ddir, safe_serialization=True)
-            draft_tok.save_pretrained(ddir)
-            if pruned:
-                (ddir / HEAD_TOKENS).parent.mkdir(exist_ok=True)
-                save_file({"token_ids": draft.token_ids.cpu().contiguous()}, ddir / HEAD_TOKENS)
+            model, head = split_head(draft)  # trained with a pruned head: its tokens ride along
+            save_draft(model, draft_tok, ddir, head_tokens=head)
             counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
             if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
                 (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)

@@ -43,6 +43,9 @@ class DraftModule(L.LightningModule):
         self.unroll = unroll  # feature draft: steps of the training-time test
         self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
         self.head_tokens = head_tokens  # an independent draft's pruned head: trained and run over these tokens only
+        if head_tokens is not None:  # each token's class in that head; -100 (no class, ignored) outside it
+            self._head_class = torch.full((draft.config.vocab_size,), -100, dtype=torch.long)
+            self._head_class[head_tokens] = torch.arange(len(head_tokens))
 
     @property
     def target(self):
@@ -51,11 +54,11 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self._target[0] = self.target.to(self.device)
         if self.head_tokens is not None:
-            self.head_tokens = self.head_tokens.to(self.device)
+            self.head_tokens, self._head_class = self.head_tokens.to(self.device), self._head_class.to(self.device)
 
     def sampling_draft(self):
         """The draft as the sampler runs it: with its pruned head when it is trained with one."""
-        if self.head_tokens is None or self.feature:
+        if self.head_tokens is None:
             return self.draft
         return PrunedHeadDraft(self.draft, self.head_tokens)
 
@@ -67,8 +70,7 @@ class DraftModule(L.LightningModule):
                 logits = b.logits(self.target)
                 return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
             cache = self.teacher_cache
-            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target),
-                                  columns=self.head_tokens)
+            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target))
             self.log("train/teacher_cache_hit_rate", cache.hit_rate)
             return logits.to(self.device)
 
@@ -138,10 +140,8 @@ class DraftModule(L.LightningModule):
         tlogits = self._target_logits(b, rows)
         V = logits.shape[-1]
         logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
-        if self.head_tokens is not None:  # labels as head positions; a token outside the head is no class (-100)
-            where = torch.full((self.draft.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
-            where[self.head_tokens] = torch.arange(V, device=labels.device)
-            labels = where[labels]
+        if self.head_tokens is not None:
+            labels = self._head_class[labels]
         tlogits = None if tlogits is None else tlogits.reshape(-1, V)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
@@ -165,7 +165,7 @@ class DraftModule(L.LightningModule):
         V = logits.shape[-1]
         labels = labels.reshape(-1)
         if self.head_tokens is not None:  # a token outside a pruned head has no class (its logit is -inf)
-            labels = torch.where(torch.isin(labels, self.head_tokens), labels, -100)
+            labels = torch.where(self._head_class[labels] >= 0, labels, -100)
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels)
         acc = []
         for lp, lq in zip(logits.reshape(-1, V).split(512), tlogits.reshape(-1, V).split(512)):

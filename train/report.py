@@ -60,7 +60,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
     last = module.draft.eval()
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
-    head = None if module.feature else module.head_tokens
+    head = module.head_tokens
     best_dir = save_draft(best, tokenizer, out_dir / "best_draft", token_counts, head)
     n_params = sum(p.numel() for p in best.parameters())
     if head is not None:  # measured as the sampler will run them: with the head they were trained with
