@@ -4,8 +4,11 @@ transformers' DynamicCache appends with `torch.cat`: every decoding step copies 
 token costs O(length) in copies, and the allocator, handed a slightly larger block per layer per step, keeps RSS
 growing past the cache itself (measured on the demo target at batch 16 and 200 tokens: 293 MB beyond the KV
 caches). Here each layer's keys and values live in one buffer of the generation's final length, written in
-place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark. Used where that
-length is known (plain sampling); speculative decoding's masked holes make it unknown (sampling/speculative.py).
+place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark.
+
+Speculative decoding at batch > 1 leaves masked holes (rejected slots of rows that accepted less than others):
+`compact_cache` moves each row's valid slots to the front, so the cache stays within the generation's length
+plus a bounded number of holes, and one buffer of that size serves the whole generation.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class PreallocatedLayer(DynamicLayer):
             self.length -= abs(tokens_to_remove)
             self._view()
 
+    def gather_slots(self, index: torch.Tensor) -> None:
+        """Keep slots `index` (B, n) of each row, in that order, as the first n (`compact_cache`)."""
+        if self.is_initialized:
+            n = index.shape[1]
+            self._k[:, :, :n] = self.keys.gather(2, expand_slots(index, self.keys))
+            self._v[:, :, :n] = self.values.gather(2, expand_slots(index, self.values))
+            self.length = n
+            self._view()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self._k, self._v = self._k[indices], self._v[indices]
@@ -78,3 +90,27 @@ def preallocated_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def expand_slots(index: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """(B, n) slot indices -> (B, H, n, D), to gather along a (B, H, S, D) cache's slots."""
+    return index[:, None, :, None].expand(kv.shape[0], kv.shape[1], index.shape[1], kv.shape[3])
+
+
+def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor | None:
+    """Move each row's valid slots (`valid` (B, S) bool) to the front, in order, and drop the holes: returns the
+    new (B, n) valid mask, n = the most valid slots of any row. Exact: keys carry their RoPE positions already,
+    and attention over a row's valid slots does not depend on where they sit. None (nothing changed) when a
+    layer cannot be compacted (a sliding-window layer keeps only its last slots)."""
+    layers = getattr(cache, "layers", [cache])  # a DynamicCache, or a cache of one layer (the feature draft's)
+    if not all(hasattr(layer, "gather_slots") or type(layer) is DynamicLayer for layer in layers):
+        return None
+    n = int(valid.sum(1).max())
+    index = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # valid slots first, in order
+    for layer in layers:
+        if hasattr(layer, "gather_slots"):
+            layer.gather_slots(index)
+        elif layer.is_initialized:
+            layer.keys = layer.keys.gather(2, expand_slots(index, layer.keys))
+            layer.values = layer.values.gather(2, expand_slots(index, layer.values))
+    return valid.gather(1, index)

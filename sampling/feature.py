@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sampling.cache import expand_slots
 from sampling.pruned import PrunedOutput
 
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
@@ -163,6 +164,11 @@ class FeatureCache:
 
     def batch_select_indices(self, rows) -> None:
         self.k, self.v = self.k[rows], self.v[rows]
+
+    def gather_slots(self, index) -> None:  # (B, n): keep those slots of each row, in order (`compact_cache`)
+        if self.k is not None:
+            self.k = self.k.gather(2, expand_slots(index, self.k))
+            self.v = self.v.gather(2, expand_slots(index, self.v))
 
 
 class FeatureOutput:

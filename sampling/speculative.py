@@ -6,8 +6,10 @@ in `rejection.py`.
 
 Batches: rows accept different numbers of draft tokens. Rather than recomputing, each model's KV cache
 keeps the slots of rejected tokens as holes masked out of attention (position ids stay the true token
-positions, so RoPE is unaffected); trailing slots no row uses are cropped. At batch size 1 there are never
-holes, the mask is all ones and the fast causal path runs.
+positions, so RoPE is unaffected); trailing slots no row uses are cropped, and once the holes exceed a
+budget each row's valid slots are moved to the front (`cache.compact_cache`), so one buffer of the
+generation's length holds the whole generation. At batch size 1 there are never holes, the mask is all
+ones and the fast causal path runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from sampling.cache import preallocated_cache
+from sampling.cache import compact_cache, preallocated_cache
 from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
 from sampling.rejection import expected_acceptance, verify
@@ -35,11 +37,13 @@ class Generation:
 class _Decoder:
     """One model's decoding state for the active rows: its KV cache and which cache slots are valid."""
 
-    def __init__(self, model, capacity: int | None = None):
-        """capacity: the cache length a generation will reach, when known (ArS): its KV cache is then allocated once
-        and written in place. Speculative decoding keeps rejected slots as holes, so at batch > 1 its caches outgrow
-        the tokens by up to (K + 1) / tokens_per_call: sized 2x ahead they peaked higher than DynamicCache's (demo,
-        batch 16, 250 tokens: 2269 MB against 1761) until holes are compacted; it keeps DynamicCache."""
+    def __init__(self, model, capacity: int | None = None, holes: int | None = None):
+        """capacity: the cache length a generation can reach, when known: its KV cache is then allocated once and
+        written in place. holes: speculative decoding keeps rejected slots as masked holes (batch > 1), so its
+        caches would outgrow the tokens by up to (K + 1) / tokens_per_call; once more than `holes` slots of the
+        longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity. Measured
+        (demo, batch 16, K 4, 250 tokens): DynamicCache with holes peaked 1761 MB; a buffer sized 2x ahead without
+        compaction 2269 MB."""
         self.model = model
         if hasattr(model, "new_cache"):
             self.cache = model.new_cache()
@@ -48,6 +52,8 @@ class _Decoder:
         else:
             self.cache = preallocated_cache(model.config, capacity)
         self.valid: torch.Tensor | None = None  # (B, S) bool
+        self.holes = holes
+        self.compactions = 0
 
     def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
         """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V)).
@@ -66,7 +72,8 @@ class _Decoder:
         return out
 
     def settle(self, new_valid: torch.Tensor) -> None:
-        """Set the validity of the newest slots (B, n), then crop trailing slots that no row uses."""
+        """Set the validity of the newest slots (B, n), then crop trailing slots that no row uses, and compact
+        when the holes exceed their budget."""
         n = new_valid.shape[1]
         self.valid[:, self.valid.shape[1] - n:] = new_valid
         used = self.valid.any(0).nonzero()
@@ -75,6 +82,11 @@ class _Decoder:
         if drop:
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to remove
             self.valid = self.valid[:, :keep]
+        if self.holes is not None and keep - int(self.valid.sum(1).max()) > self.holes:
+            valid = compact_cache(self.cache, self.valid)
+            if valid is not None:
+                self.valid = valid
+                self.compactions += 1
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
@@ -242,8 +254,8 @@ class _ModelDrafter:
 
     can_draft = True
 
-    def __init__(self, draft, tap=None):
-        self.dec = _Decoder(draft)
+    def __init__(self, draft, tap=None, capacity: int | None = None, holes: int | None = None):
+        self.dec = _Decoder(draft, capacity, holes)
         self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
 
     def prefill(self, input_ids, head_mask):
@@ -286,8 +298,8 @@ class _FeatureDrafter:
     filled with its own outputs are dropped, and the kept positions are fed again with the target's features from
     that verification pass (they are exact there, its own were guesses)."""
 
-    def __init__(self, draft, tap):
-        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft)
+    def __init__(self, draft, tap, capacity: int | None = None, holes: int | None = None):
+        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft, capacity, holes)
         self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
         self.own = 0  # cache slots fed with its own outputs in this loop (dropped after verification)
 
@@ -325,6 +337,7 @@ class _FeatureDrafter:
         tokens[rows, n] = nxt  # slot pos + i reads x_{pos+i+1}: d_{i+1}, then the emitted token
         valid = steps[None, :] <= n[:, None]
         out = self.dec(tokens, pos[:, None] + steps, valid, None, features=features[:, :m])
+        self.dec.settle(valid)  # compacts the holes when they exceed their budget, as after the target's verify
         self.hidden = out.hidden[rows, n][:, None]
 
     def select(self, live):
@@ -332,6 +345,7 @@ class _FeatureDrafter:
         self.hidden = self.hidden[live]
 
 
+HOLE_LOOPS = 16  # loops' worth of holes (K + 1 slots each) a cache may hold before it is compacted
 _COSTS: dict = {}  # (id(target), id(draft)) -> measured cost model, for k="auto" without a given one
 
 
@@ -433,8 +447,12 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
     dev = input_ids.device
     stats = GenerationStats(k=k, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, dev)
-    tgt = _Decoder(target)
-    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap)
+    # Holes (rejected slots of rows that accepted less) are compacted once 16 loops' worth pile up: a copy of the
+    # cache every ~16 loops or more, and a cache that never outgrows the generation's length + this budget.
+    holes = HOLE_LOOPS * (k + 1)
+    capacity = input_ids.shape[1] + max_new_tokens + k + 2 + holes
+    tgt = _Decoder(target, capacity, holes)
+    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap, capacity, holes)
 
     # Both caches hold everything but the last token, `pending`, which each loop feeds first.
     pending = input_ids[:, -1]

@@ -40,3 +40,54 @@ def test_model_logits_equal_dynamic_cache_step_by_step():
         a = model(input_ids=ids[:, start:end], position_ids=pos, cache=dyn, use_cache=True).logits
         b = model(input_ids=ids[:, start:end], position_ids=pos, cache=pre, use_cache=True).logits
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_compaction_keeps_each_rows_valid_slots_in_order():
+    """compact_cache on a preallocated cache, a plain DynamicCache and a feature draft's one-layer cache: each row's
+    valid keys and values come out first, in their order, and the new mask is left-aligned."""
+    from sampling.cache import compact_cache
+    from sampling.feature import FeatureCache
+
+    g = torch.Generator().manual_seed(0)
+    valid = torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    k, v = torch.randn(3, 2, 7, 4, generator=g), torch.randn(3, 2, 7, 4, generator=g)
+    caches = [preallocated_cache(tiny_llama(vocab=16, layers=2, hidden=32).config, capacity=9),
+              DynamicCache(config=tiny_llama(vocab=16, layers=2, hidden=32).config), FeatureCache()]
+    for cache in caches:
+        layers = getattr(cache, "layers", None)
+        for layer in layers or [cache]:
+            layer.update(k.clone(), v.clone())
+        new = compact_cache(cache, valid)
+        assert new.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+        for layer in layers or [cache]:
+            keys, values = (layer.keys, layer.values) if layers else (layer.k, layer.v)
+            assert keys.shape[2] == 6
+            for r in range(3):
+                n = int(valid[r].sum())
+                assert torch.equal(keys[r, :, :n], k[r][:, valid[r]])
+                assert torch.equal(values[r, :, :n], v[r][:, valid[r]])
+
+
+def test_model_logits_survive_compaction_of_holes():
+    """A model over a cache with masked holes gives the same logits before and after its holes are compacted."""
+    from sampling.speculative import _Decoder
+
+    model = tiny_llama(vocab=16, layers=2, hidden=32)
+    ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain, packed = _Decoder(model, capacity=40), _Decoder(model, capacity=40, holes=0)
+    ones = lambda n: torch.ones(2, n, dtype=torch.bool)  # noqa: E731
+    pos = torch.arange(5)[None].expand(2, -1)
+    for dec in (plain, packed):
+        dec(ids[:, :5], pos, ones(5), 1)
+    nxt = torch.tensor([5, 5])
+    for step, accepted in enumerate([[2, 0], [0, 3], [3, 0], [0, 2]]):  # rows keep a prefix of the 4 new slots
+        block = ids[:, 5 + step: 9 + step]
+        outs = [dec(block, nxt[:, None] + torch.arange(4), ones(4), 4).logits for dec in (plain, packed)]
+        assert torch.allclose(outs[0], outs[1], atol=1e-5)
+        keep = torch.arange(4)[None] <= torch.tensor(accepted)[:, None]
+        for dec in (plain, packed):
+            dec.settle(keep)
+        nxt = nxt + torch.tensor(accepted) + 1
+    assert packed.compactions >= 2 and plain.compactions == 0
+    assert packed.valid.shape[1] < plain.valid.shape[1]
+    assert bool(packed.valid[:, : int(packed.valid.sum(1).min())].all())

@@ -20,6 +20,7 @@ from helpers import chi2_pvalue
 
 import sampling.rejection as rejection
 from sampling import autoregressive_generate, speculative_generate
+from sampling.cache import compact_cache
 from sampling.probs import SamplingConfig, process_logits
 
 V = 5
@@ -203,6 +204,24 @@ def test_chi_square_detects_a_planted_bug(pair, monkeypatch):
         lambda ids: speculative_generate(target, draft, ids, max_new_tokens=budget, k=3, generator=g),
         50_000, budget, prompt)
     assert pvalue(counts, exact) < 1e-6
+
+
+def test_compacted_caches_stay_exact(pair, monkeypatch):
+    """Holes compacted after every loop that leaves any (HOLE_LOOPS 0): the batched loop still samples the target."""
+    import sampling.speculative as spec
+
+    target, draft = pair
+    calls = []
+    monkeypatch.setattr(spec, "HOLE_LOOPS", 0)
+    monkeypatch.setattr(spec, "compact_cache", lambda c, v: calls.append(1) or compact_cache(c, v))
+    prompt, budget = [1, 3], 4
+    exact = target_sequences(Dist(target, SamplingConfig(0.9, 0, 1.0)), prompt, budget, None)
+    g = torch.Generator().manual_seed(77)
+    counts, stats = sample_counts(
+        lambda ids: speculative_generate(target, draft, ids, max_new_tokens=budget, k=1, temperature=0.9,
+                                         generator=g), 50_000, budget, prompt)
+    assert len(calls) >= 4 and 0 < stats.alpha < 1  # both caches compacted, more than once
+    assert pvalue(counts, exact) > 1e-3
 
 
 def test_autoregressive_generate_passes_chi_square(pair):
