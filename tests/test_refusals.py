@@ -120,6 +120,34 @@ def test_checkpoint_survives_sigkill_mid_write(tmp_path):
     assert "global_step" in torch.load(path, weights_only=True)
 
 
+def test_crafted_and_foreign_checkpoints_are_refused_never_run(tmp_path):
+    """ckpt_path= a pickle that would run a command when unpickled: refused in one line, the command never runs;
+    a torch file that is not a draft's Lightning checkpoint: refused in one line before Lightning sees it."""
+    import os
+    import pickle
+
+    from train.setup import SetupError, resume_checkpoint
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "global_step": 1, "x": Payload()}, crafted, pickle_module=pickle)
+    with pytest.raises(SetupError, match="holds pickled objects beyond tensors: refused, nothing in it was run"):
+        resume_checkpoint(tmp_path, str(crafted))
+    assert not marker.exists()
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"model": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(SetupError, match="is not a draftsmith training checkpoint"):
+        resume_checkpoint(tmp_path, str(foreign))
+    ours = tmp_path / "ours.ckpt"
+    torch.save({"state_dict": {"draft.w": torch.zeros(2)}, "global_step": 3}, ours)
+    assert resume_checkpoint(tmp_path, str(ours)) == str(ours)
+
+
 def test_resume_from_a_truncated_checkpoint_names_the_good_one(smoke_run, tmp_path):
     from conftest import run_entry
 

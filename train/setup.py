@@ -181,9 +181,9 @@ def check_data(cfg, tokenizer) -> None:
         raise SetupError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
                          "set data.chat_template=false")
     topk = cfg.loss.get("teacher_topk", 0)
-    if topk and (not cfg.loss.get("distill", True) or cfg.draft.get("kind", "independent") == "feature_head"):
-        raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distilling an independent draft; "
-                         "with loss=ce or a feature draft (which reads the target's features every step) set it to 0")
+    if topk and not cfg.loss.get("distill", True):
+        raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
+                         "it to 0")
     g = d.generated
     if g.enabled:
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
@@ -264,8 +264,11 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
     if not path.is_file():
         raise SetupError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, a file that is not ours
+        if "Weights only load failed" in str(e):  # weights_only refuses any object but tensors and plain data
+            raise SetupError(f"checkpoint {path} holds pickled objects beyond tensors: refused, nothing in it was "
+                             "run (draftsmith's checkpoints hold only tensors and plain data)") from None
         good = []
         for other in sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
             if other == path:
@@ -278,6 +281,10 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
                 continue
         hint = f"; resume from the previous good one with ckpt_path={good[0]}" if good else ""
         raise SetupError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}){hint}") from None
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not state or "global_step" not in ckpt or not all(k.startswith("draft.") for k in state):
+        raise SetupError(f"checkpoint {path} is not a draftsmith training checkpoint (no Lightning state of a "
+                         "draft): resume from this run's own checkpoints/last.ckpt")
     return str(path)
 
 
