@@ -211,3 +211,18 @@ def test_damaged_corpus_files_are_named(tmp_path, name, data, message):
     with pytest.raises(CorpusError, match=message) as e:
         _documents(str(tmp_path / name), "text", None)
     assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_parquet_without_the_text_field_is_named_and_an_empty_jsonl_line_loses_nothing(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from train.corpus import CorpusError, _documents
+
+    pq.write_table(pa.table({"content": ["def f(): pass", "x = 1"]}), tmp_path / "code.parquet")
+    with pytest.raises(CorpusError, match=r"code.parquet has no 'text' column \(it has \['content'\]\); "
+                                          "set data.text_field"):
+        _documents(str(tmp_path / "code.parquet"), "text", None)
+    assert _documents(str(tmp_path / "code.parquet"), "content", None) == ["def f(): pass", "x = 1"]
+    (tmp_path / "gap.jsonl").write_text('{"text": "first"}\n\n{"text": "second"}\n')
+    assert _documents(str(tmp_path / "gap.jsonl"), "text", None) == ["first", "second"]
