@@ -96,8 +96,10 @@ def train(cfg: DictConfig) -> dict:
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     topk = cfg.loss.get("teacher_topk", 0)
+    feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
-                                 head_tokens) if topk else None
+                                 draft.token_ids() if feature and draft.pruned else head_tokens,
+                                 features=3 * target.config.hidden_size if feature else 0) if topk else None
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                          on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache,

@@ -61,14 +61,24 @@ class FeatureBatch:
     keep: torch.Tensor
 
 
-def teacher_pass(target, layers: list[int], b: Batch) -> FeatureBatch:
+def target_outputs(target, layers: list[int], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits and features (B, T-1, V) and (B, T-1, 3 H) at every position but the last."""
     with torch.no_grad(), FeatureTap(target, layers) as tap:
         pos = b.positions()
-        mask = None if b.mask is None else b.mask[:, :-1]
-        logits = target(input_ids=b.ids[:, :-1], attention_mask=mask,
+        logits = target(input_ids=b.ids[:, :-1], attention_mask=None if b.mask is None else b.mask[:, :-1],
                         position_ids=None if pos is None else pos[:, :-1]).logits
-        feats = tap.take()
+        return logits, tap.take()
+
+
+def teacher_pass(target, layers: list[int], b: Batch) -> FeatureBatch:
+    return feature_batch(b, *target_outputs(target, layers, b))
+
+
+def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor) -> FeatureBatch:
+    """The draft's slots from the target's outputs on `b` (fresh from `target_outputs`, or kept: train/teacher.py);
+    `logits` may already be over a pruned head's tokens only."""
     T = b.ids.shape[1]
+    pos = b.positions()
     if pos is None:
         pos = torch.arange(T, device=b.ids.device)[None].expand(b.ids.shape[0], T)
     keep = torch.ones(b.ids.shape[0], T - 2, dtype=torch.bool, device=b.ids.device)
@@ -93,7 +103,9 @@ def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
         index = torch.full((draft.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
         index[vocab] = torch.arange(len(vocab), device=labels.device)
         labels = index[labels]
-    teacher = fb.teacher if vocab is None else fb.teacher[..., vocab]  # once, not per step: (B, T-2, V) is large
+    teacher = fb.teacher  # kept logits come over the head's tokens already; fresh ones once, not per step
+    if vocab is not None and teacher.shape[-1] != len(vocab):
+        teacher = teacher[..., vocab]
     teacher, labels = teacher.reshape(-1, teacher.shape[-1]), labels.reshape(-1)
     res = []
     for s, h in enumerate(outs):

@@ -13,7 +13,7 @@ from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig, process_logits
 from sampling.pruned import PrunedHeadDraft
 from sampling.rejection import expected_acceptance
-from train.feature import feature_alpha, teacher_pass, unrolled
+from train.feature import feature_alpha, feature_batch, target_outputs, teacher_pass, unrolled
 from train.losses import draft_loss
 from train.onpolicy import Batch, OnPolicy
 from train.teacher import TeacherCache
@@ -101,7 +101,7 @@ class DraftModule(L.LightningModule):
             b = self.on_policy(self.draft, ids, self._progress())
             self.log("train/on_policy_s", time.perf_counter() - t)
         if self.feature:
-            logits, tlogits, labels = self._feature_logits(b)
+            logits, tlogits, labels = self._feature_logits(b, rows)
         else:
             logits, tlogits, labels = self._draft_logits(b, rows)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
@@ -127,10 +127,18 @@ class DraftModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
 
-    def _feature_logits(self, b: Batch):
-        """One teacher pass gives the features and the logits; every unrolled step is scored against the same
-        teacher (slot j predicts x_{j+2} at every step), all steps in one loss call (equal weights)."""
-        fb = teacher_pass(self.target, self.draft.feature_layers, b)
+    def _feature_logits(self, b: Batch, rows: torch.Tensor | None = None):
+        """One teacher pass gives the features and the logits (kept after a block's first visit, with
+        loss.teacher_topk); every unrolled step is scored against the same teacher (slot j predicts x_{j+2} at
+        every step), all steps in one loss call (equal weights)."""
+        layers = self.draft.feature_layers
+        if self.teacher_cache is None or rows is None or b.loss_mask is not None:
+            fb = teacher_pass(self.target, layers, b)
+        else:
+            logits, feats = self.teacher_cache.outputs(
+                rows, lambda miss: target_outputs(self.target, layers, Batch(b.ids[miss.to(b.ids.device)])))
+            self.log("train/teacher_cache_hit_rate", self.teacher_cache.hit_rate)
+            fb = feature_batch(b, logits.to(self.device), feats.to(self.device))
         steps = unrolled(self.draft, fb, self.unroll)
         logits, tlogits, labels = (torch.cat(x) for x in zip(*steps))
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
