@@ -4,6 +4,7 @@ the loss trains it towards the target, and the entry script runs it end to end (
 import pytest
 import torch
 from conftest import run_entry, tiny_llama
+from helpers import fit_losses
 from test_feature import FeatureDist, feature_draft
 
 from sampling.probs import SamplingConfig, process_logits
@@ -80,9 +81,6 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
     """Real Lightning fit of a pruned feature draft, 3 epochs of 2 batches: with loss.teacher_topk the target runs
     in the first epoch only (its features and head-restricted logits kept), and the losses follow those of the
     run that asks the target every step (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
     from train.module import DraftModule
     from train.teacher import TeacherCache
 
@@ -98,13 +96,7 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
         cache = TeacherCache(8, 11, 29, 30, columns=draft.token_ids(), features=3 * 32) if cached else None
         module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
                              sampler={"temperature": 1.0}, max_steps=6, unroll=2, teacher_cache=cache)
-        seen = []
-        module.log = lambda name, v, **kw: seen.append(float(v)) if name == "train/loss" else None
-        data = DataLoader(TensorDataset(blocks, torch.arange(8)), batch_size=4)
-        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
-        trainer.fit(module, data)
-        losses[cached] = seen
+        losses[cached] = fit_losses(module, blocks, tmp_path)
         assert len(calls) == (2 if cached else 6)
     assert len(losses[True]) == 6 and losses[True][0] == pytest.approx(losses[False][0], rel=1e-2)
     assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row or a feature mixed up: far off

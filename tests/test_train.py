@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import run_entry, tiny_llama
+from helpers import fit_losses
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -134,13 +135,7 @@ def test_kept_teacher_logits_spare_the_target_after_the_first_epoch(tmp_path):
         cache = TeacherCache(8, 11, 31, 32) if cached else None
         module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
                              sampler={"temperature": 1.0}, max_steps=6, teacher_cache=cache)
-        seen = []
-        module.log = lambda name, v, **kw: seen.append(float(v)) if name == "train/loss" else None
-        data = DataLoader(TensorDataset(blocks, torch.arange(8)), batch_size=4)
-        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
-        trainer.fit(module, data)
-        losses[cached] = seen
+        losses[cached] = fit_losses(module, blocks, tmp_path)
         assert len(calls) == (2 if cached else 6)
     assert len(losses[True]) == 6 and losses[True][0] == pytest.approx(losses[False][0], rel=1e-2)
     assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row mixed up with another: far off
