@@ -66,13 +66,22 @@ class DraftModule(L.LightningModule):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
-            if self.teacher_cache is None or rows is None or b.loss_mask is not None:  # on-policy rows: new each time
+            if not self._kept(b, rows):
                 logits = b.logits(self.target)
                 return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
-            cache = self.teacher_cache
-            logits = cache.logits(rows, lambda miss: Batch(b.ids[miss.to(b.ids.device)]).logits(self.target))
-            self.log("train/teacher_cache_hit_rate", cache.hit_rate)
-            return logits.to(self.device)
+            return self._kept_outputs(b, rows, lambda sub: (sub.logits(self.target), None))[0]
+
+    def _kept(self, b: Batch, rows: torch.Tensor | None) -> bool:
+        """Whether the target's outputs on `b` come from the teacher cache: not for on-policy rows (new each time)."""
+        return self.teacher_cache is not None and rows is not None and b.loss_mask is None
+
+    def _kept_outputs(self, b: Batch, rows: torch.Tensor, teacher):
+        """(logits, features or None) of blocks `rows` from the teacher cache; `teacher(sub_batch)` runs the target
+        on the rows it has not seen yet."""
+        cache = self.teacher_cache
+        logits, feats = cache.outputs(rows, lambda miss: teacher(Batch(b.ids[miss.to(b.ids.device)])))
+        self.log("train/teacher_cache_hit_rate", cache.hit_rate)
+        return logits.to(self.device), None if feats is None else feats.to(self.device)
 
     def _progress(self) -> float:
         """Fraction of training done: by steps, or by wall time when `trainer.max_time` bounds the run (so a
@@ -132,13 +141,10 @@ class DraftModule(L.LightningModule):
         loss.teacher_topk); every unrolled step is scored against the same teacher (slot j predicts x_{j+2} at
         every step), all steps in one loss call (equal weights)."""
         layers = self.draft.feature_layers
-        if self.teacher_cache is None or rows is None or b.loss_mask is not None:
-            fb = teacher_pass(self.target, layers, b)
+        if self._kept(b, rows):
+            fb = feature_batch(b, *self._kept_outputs(b, rows, lambda sub: target_outputs(self.target, layers, sub)))
         else:
-            logits, feats = self.teacher_cache.outputs(
-                rows, lambda miss: target_outputs(self.target, layers, Batch(b.ids[miss.to(b.ids.device)])))
-            self.log("train/teacher_cache_hit_rate", self.teacher_cache.hit_rate)
-            fb = feature_batch(b, logits.to(self.device), feats.to(self.device))
+            fb = teacher_pass(self.target, layers, b)
         steps = unrolled(self.draft, fb, self.unroll)
         logits, tlogits, labels = (torch.cat(x) for x in zip(*steps))
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
