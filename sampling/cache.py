@@ -101,16 +101,13 @@ def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor | None:
     """Move each row's valid slots (`valid` (B, S) bool) to the front, in order, and drop the holes: returns the
     new (B, n) valid mask, n = the most valid slots of any row. Exact: keys carry their RoPE positions already,
     and attention over a row's valid slots does not depend on where they sit. None (nothing changed) when a
-    layer cannot be compacted (a sliding-window layer keeps only its last slots)."""
-    layers = getattr(cache, "layers", [cache])  # a DynamicCache, or a cache of one layer (the feature draft's)
-    if not all(hasattr(layer, "gather_slots") or type(layer) is DynamicLayer for layer in layers):
+    layer cannot be compacted (a sliding-window layer keeps only its last slots, a plain DynamicLayer is not
+    written in place)."""
+    layers = getattr(cache, "layers", [cache])  # a preallocated cache, or a cache of one layer (the feature draft's)
+    if not all(hasattr(layer, "gather_slots") for layer in layers):
         return None
     n = int(valid.sum(1).max())
     index = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :n]  # valid slots first, in order
     for layer in layers:
-        if hasattr(layer, "gather_slots"):
-            layer.gather_slots(index)
-        elif layer.is_initialized:
-            layer.keys = layer.keys.gather(2, expand_slots(index, layer.keys))
-            layer.values = layer.values.gather(2, expand_slots(index, layer.values))
+        layer.gather_slots(index)
     return valid.gather(1, index)

@@ -43,16 +43,17 @@ def test_model_logits_equal_dynamic_cache_step_by_step():
 
 
 def test_compaction_keeps_each_rows_valid_slots_in_order():
-    """compact_cache on a preallocated cache, a plain DynamicCache and a feature draft's one-layer cache: each row's
-    valid keys and values come out first, in their order, and the new mask is left-aligned."""
+    """compact_cache on a preallocated cache and a feature draft's one-layer cache: each row's valid keys and values
+    come out first, in their order, and the new mask is left-aligned; a plain DynamicCache is left as it is."""
     from sampling.cache import compact_cache
     from sampling.feature import FeatureCache
 
     g = torch.Generator().manual_seed(0)
     valid = torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     k, v = torch.randn(3, 2, 7, 4, generator=g), torch.randn(3, 2, 7, 4, generator=g)
-    caches = [preallocated_cache(tiny_llama(vocab=16, layers=2, hidden=32).config, capacity=9),
-              DynamicCache(config=tiny_llama(vocab=16, layers=2, hidden=32).config), FeatureCache()]
+    config = tiny_llama(vocab=16, layers=2, hidden=32).config
+    assert compact_cache(DynamicCache(config=config), valid) is None
+    caches = [preallocated_cache(config, capacity=9), FeatureCache()]
     for cache in caches:
         layers = getattr(cache, "layers", None)
         for layer in layers or [cache]:
