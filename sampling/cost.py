@@ -12,15 +12,22 @@ import time
 import torch
 from transformers import DynamicCache
 
+from sampling.compiled import StaticDecoder
 from sampling.feature import is_feature_draft
 
 
 class Stepper:
-    """A model with a warm KV cache over `context`; each call times one forward over `n` new tokens, then crops."""
+    """A model with a warm KV cache over `context`; each call times one forward over `n` new tokens, then crops.
+    compile: the compiled static-shape step the sampler runs with compile=True (`sampling/compiled.py`)."""
 
-    def __init__(self, model, context: torch.Tensor):
+    def __init__(self, model, context: torch.Tensor, compile: bool = False):
         self.model, self.context = model, context
         self.extra = lambda n: {}
+        self.static = StaticDecoder(model, context.shape[1] + 16) if compile else None
+        if self.static is not None:
+            L = context.shape[1]
+            self.static(context, torch.arange(L)[None], torch.ones(1, L, dtype=torch.bool), 1)
+            return
         if is_feature_draft(model):  # a drafting step reads its own previous output (width H) as the feature
             width = model.config.hidden_size
             self.extra = lambda n: {"features": torch.randn(1, n, width, dtype=model.dtype)}
@@ -33,6 +40,12 @@ class Stepper:
 
     def __call__(self, n: int) -> float:
         L = self.context.shape[1]
+        if self.static is not None:
+            t = time.perf_counter()
+            self.static(self.context[:, :n], torch.arange(L, L + n)[None], torch.ones(1, n, dtype=torch.bool), n)
+            dt = time.perf_counter() - t
+            self.static.settle(torch.zeros(1, n, dtype=torch.bool))
+            return dt
         extra = self.extra(n)
         t = time.perf_counter()
         self.model(input_ids=self.context[:, :n], position_ids=torch.arange(L, L + n)[None], cache=self.cache,
@@ -44,8 +57,9 @@ class Stepper:
 
 @torch.inference_mode()
 def measure_costs(target, draft, ks=(1, 2, 3, 4, 5, 6, 7, 8), context_len: int = 200, reps: int = 15,
-                  seed: int = 0) -> dict:
-    """{'c', 'target_ms', 'draft_ms', 'v': {K: v(K)}}.
+                  seed: int = 0, compile: bool = False) -> dict:
+    """{'c', 'target_ms', 'draft_ms', 'v': {K: v(K)}}. compile: the costs of the compiled steps (each shape is
+    compiled by the warm-up, outside the timing).
 
     Each repetition times, back to back, a 1-token target step, a 1-token draft step and a (K+1)-token target
     pass per K; c and v(K) are medians of the per-repetition ratios, so a burst of load on a shared machine
@@ -53,9 +67,11 @@ def measure_costs(target, draft, ks=(1, 2, 3, 4, 5, 6, 7, 8), context_len: int =
     """
     g = torch.Generator().manual_seed(seed)
     context = torch.randint(0, target.config.vocab_size, (1, context_len), generator=g)
-    tgt, drf = Stepper(target, context), Stepper(draft, context)
-    for _ in range(2):  # warm-up
+    tgt, drf = Stepper(target, context, compile), Stepper(draft, context, compile)
+    for _ in range(2):  # warm-up (compiled: every shape compiles here, outside the timing)
         tgt(1), drf(1)
+        for k in ks if compile else ():
+            tgt(k + 1)
     t1, d1, ratios_c, ratios_v = [], [], [], {int(k): [] for k in ks}
     for _ in range(reps):
         t, d = tgt(1), drf(1)

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured once)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compiled static-shape decoding steps (torch.compile; each step shape compiles once, "
+                         "tens of seconds here, so it pays on long or repeated generations)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="allow a model whose config asks to run its own Python code (never the default)")
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
                                            add_generation_prompt=True)
         ids = tok(text, return_tensors="pt").input_ids
         common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, eos_token_id=tok.eos_token_id,
+                      top_p=args.top_p, eos_token_id=tok.eos_token_id, compile=args.compile,
                       generator=torch.Generator().manual_seed(args.seed))
         if draft is None:
             gen = autoregressive_generate(target, ids, **common)

@@ -93,7 +93,10 @@ def _fast_forward(self: nn.Linear, x):
     if (rows > FEW_ROWS or w.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, b)  # the calibrated kernels are for fp32 inference; oneDNN's has no backward
-    y = KERNELS[self.kernels[rows if rows <= 8 else 16]](x2, w)
+    kernel = self.kernels[rows if rows <= 8 else 16]
+    if kernel == "onednn" and torch.compiler.is_compiling():
+        kernel = "transposed"  # its packed copy is kept outside any graph; compiled, the plain layout stands in
+    y = KERNELS[kernel](x2, w)
     if b is not None:
         y = y + b
     return y.reshape(*x.shape[:-1], w.shape[0])

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from sampling.cache import compact_cache, preallocated_cache
+from sampling.compiled import StaticDecoder, check_compilable
 from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
 from sampling.rejection import expected_acceptance, verify
@@ -91,6 +92,10 @@ class _Decoder:
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
         self.valid = self.valid[rows]
+
+
+def _decoder(model, capacity: int, holes: int | None = None, compile: bool = False):
+    return StaticDecoder(model, capacity, holes) if compile else _Decoder(model, capacity, holes)
 
 
 class _Rows:
@@ -212,10 +217,12 @@ def autoregressive_generate(
     eos_token_id=None,
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
+    compile: bool = False,
 ) -> Generation:
     """Plain autoregressive sampling (ArS) from the target: the baseline SpS is measured against.
 
     attention_mask (optional, (B, T)) marks left padding in a batch of prompts of different lengths.
+    compile: static-shape decoding steps compiled with torch.compile (`sampling/compiled.py`).
     """
     cfg = SamplingConfig(temperature, top_k, top_p)
     _check_inputs([target], input_ids, attention_mask, max_new_tokens)
@@ -223,7 +230,7 @@ def autoregressive_generate(
     B = input_ids.shape[0]
     stats = GenerationStats(k=0, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, input_ids.device)
-    dec = _Decoder(target, input_ids.shape[1] + max_new_tokens)
+    dec = _decoder(target, input_ids.shape[1] + max_new_tokens, compile=compile)
     out = _prefill(dec, input_ids, attention_mask)
     pos = dec.valid.sum(1)  # (B,) position of the next token
     stats.prefill_s = time.perf_counter() - t0
@@ -254,8 +261,8 @@ class _ModelDrafter:
 
     can_draft = True
 
-    def __init__(self, draft, tap=None, capacity: int | None = None, holes: int | None = None):
-        self.dec = _Decoder(draft, capacity, holes)
+    def __init__(self, draft, tap=None, capacity: int | None = None, holes: int | None = None, compile=False):
+        self.dec = _decoder(draft, capacity, holes, compile)
         self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
 
     def prefill(self, input_ids, head_mask):
@@ -298,7 +305,7 @@ class _FeatureDrafter:
     filled with its own outputs are dropped, and the kept positions are fed again with the target's features from
     that verification pass (they are exact there, its own were guesses)."""
 
-    def __init__(self, draft, tap, capacity: int | None = None, holes: int | None = None):
+    def __init__(self, draft, tap, capacity: int | None = None, holes: int | None = None, compile=False):
         self.draft, self.tap, self.dec = draft, tap, _Decoder(draft, capacity, holes)
         self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
         self.own = 0  # cache slots fed with its own outputs in this loop (dropped after verification)
@@ -346,7 +353,7 @@ class _FeatureDrafter:
 
 
 HOLE_LOOPS = 16  # loops' worth of holes (K + 1 slots each) a cache may hold before it is compacted
-_COSTS: dict = {}  # (id(target), id(draft)) -> measured cost model, for k="auto" without a given one
+_COSTS: dict = {}  # (id(target), id(draft), compile) -> measured cost model, for k="auto" without a given one
 
 
 class KChooser:
@@ -355,17 +362,17 @@ class KChooser:
     prior of weight `strength` tokens at `alpha_prior`, updated with the row's tested and accepted drafts)."""
 
     def __init__(self, target, draft, rows: int, k_max: int, cost: dict | None, alpha_prior: float,
-                 strength: float = 8.0):
+                 strength: float = 8.0, compile: bool = False):
         if not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"k_max must be an integer >= 1, got {k_max}")
         if not 0.0 <= alpha_prior < 1.0:
             raise ValueError(f"alpha_prior must be in [0, 1), got {alpha_prior}")
         if cost is None:
-            key = (id(target), id(draft))
+            key = (id(target), id(draft), compile)
             if key not in _COSTS:
                 from sampling.cost import measure_costs
 
-                _COSTS[key] = measure_costs(target, draft, ks=range(1, k_max + 1), reps=5)
+                _COSTS[key] = measure_costs(target, draft, ks=range(1, k_max + 1), reps=5, compile=compile)
             cost = _COSTS[key]
         v = {int(kk): float(x) for kk, x in cost["v"].items()}
         self.ks = [kk for kk in range(1, k_max + 1) if kk in v]
@@ -405,6 +412,7 @@ def speculative_generate(
     k_max: int = 8,
     cost: dict | None = None,
     alpha_prior: float = 0.5,
+    compile: bool = False,
 ) -> Generation:
     """Speculative sampling (SpS, Chen et al. 2023, Algorithm 2): output distributed exactly as the target's.
 
@@ -416,11 +424,15 @@ def speculative_generate(
     scores all K+1 positions in one pass (q); `rejection.verify` keeps a prefix and emits one more token.
     temperature 0 is greedy and reproduces the target's greedy decoding. `draft` is an independent causal LM
     or a feature draft (`sampling.feature.FeatureDraft`), which reads the target's hidden states.
+    compile: static-shape decoding steps compiled with torch.compile (`sampling/compiled.py`), both models.
     """
     cfg = SamplingConfig(temperature, top_k, top_p)
+    if compile:
+        check_compilable(target)
+        check_compilable(draft)
     chooser = None
     if k == "auto":
-        chooser = KChooser(target, draft, input_ids.shape[0], k_max, cost, alpha_prior)
+        chooser = KChooser(target, draft, input_ids.shape[0], k_max, cost, alpha_prior, compile=compile)
         k = k_max
     _check_inputs([target, draft], input_ids, attention_mask, max_new_tokens, k)
     if _vocab_size(target) != _vocab_size(draft):
@@ -434,14 +446,14 @@ def speculative_generate(
         tap = FeatureTap(target, draft.feature_layers)
     try:
         return _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg,
-                                 eos_token_id, generator, chooser)
+                                 eos_token_id, generator, chooser, compile)
     finally:
         if tap is not None:
             tap.close()
 
 
 def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg, eos_token_id,
-                      generator, chooser=None) -> Generation:
+                      generator, chooser=None, compile=False) -> Generation:
     t0 = time.perf_counter()
     B = input_ids.shape[0]
     dev = input_ids.device
@@ -451,8 +463,8 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
     # cache every ~16 loops or more, and a cache that never outgrows the generation's length + this budget.
     holes = HOLE_LOOPS * (k + 1)
     capacity = input_ids.shape[1] + max_new_tokens + k + 2 + holes
-    tgt = _Decoder(target, capacity, holes)
-    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap, capacity, holes)
+    tgt = _decoder(target, capacity, holes, compile)
+    drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap, capacity, holes, compile)
 
     # Both caches hold everything but the last token, `pending`, which each loop feeds first.
     pending = input_ids[:, -1]

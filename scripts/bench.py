@@ -3,6 +3,7 @@
     python scripts/bench.py --target smollm2-135m --draft outputs/.../best_draft
     python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
     python scripts/bench.py --draft SHALLOW_WIDE_DIR FEATURE_HEAD_DIR      # both kinds side by side, one run
+    python scripts/bench.py --draft DIR --compile --k-sweep 0 1 2 3 4      # our loops with compiled steps
 
 Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
 ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
@@ -25,6 +26,7 @@ import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from sampling import autoregressive_generate, speculative_generate
+from sampling.compiled import check_compilable
 from sampling.cost import best_k, measure_costs, predicted_speedup
 from sampling.feature import is_feature_draft
 from sampling.models import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
@@ -75,6 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="bench", help="output directory for bench.json and figure1.png")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true",
+                    help="our loops and the cost model with compiled static-shape steps (independent drafts only); "
+                         "every shape is compiled by an untimed pass over the first prompt")
     args = ap.parse_args(argv)
     try:
         tok = load_tokenizer(args.target)
@@ -82,6 +87,9 @@ def main(argv=None) -> int:
         full_drafts = {}
         for d in args.draft:
             full_drafts[_label(d, full_drafts)] = load_model(d, args.dtype)
+        if args.compile:
+            for d in full_drafts.values():
+                check_compilable(d)
         rows = [r for f in args.prompts for r in load_prompts(f, args.n_prompts)]
     except (ModelNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
     for name, draft in drafts.items():
         print(f"measuring c and v(K) of {name}...", file=sys.stderr)
         with torch.inference_mode():
-            costs[name] = measure_costs(target, draft, ks=ks_cost)
+            costs[name] = measure_costs(target, draft, ks=ks_cost, compile=args.compile)
             if args.draft_vocab and draft is not full_drafts[name]:
                 full_cs[name] = measure_costs(target, full_drafts[name], ks=(1,), reps=7)["c"]
     # transformers' assisted generation takes an independent draft only (no EAGLE path)
@@ -112,7 +120,8 @@ def main(argv=None) -> int:
 
     ks = sorted(set(args.k_sweep) | {args.k})
     runs = []  # one record per (prompt, config)
-    for i, row in enumerate(rows):
+    warm_up = [(-1, rows[0])] if args.compile else []  # compiles every shape our loops meet, untimed
+    for i, row in warm_up + list(enumerate(rows)):
         domain = row["domain"]
         T, P = DOMAIN_SETTINGS.get(domain, (0.8, 0.95))
         ids = tok(row["prompt"], return_tensors="pt").input_ids
@@ -123,8 +132,10 @@ def main(argv=None) -> int:
             configs += [("hf_generate", None, 0)] + ([("hf_assisted", None, args.k)] if assistant is not None else [])
         rng.shuffle(configs)
         for name, dname, k in configs:
+            if i < 0 and name != "ours":
+                continue
             g = torch.Generator().manual_seed(args.seed * 1000 + i)
-            common = dict(max_new_tokens=N, temperature=T, top_p=P, generator=g)
+            common = dict(max_new_tokens=N, temperature=T, top_p=P, generator=g, compile=args.compile)
             if name == "ours" and k == 0:
                 gen = autoregressive_generate(target, ids, **common)
             elif name == "ours" and k == "auto":
@@ -132,7 +143,9 @@ def main(argv=None) -> int:
                                            **common)
             elif name == "ours":
                 gen = speculative_generate(target, drafts[dname], ids, k=k, **common)
-            else:
+            if i < 0:
+                continue
+            if name != "ours":
                 import time
 
                 hf = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=T, top_p=P, top_k=0,
@@ -155,7 +168,8 @@ def main(argv=None) -> int:
             if k in (0, args.k):
                 rec["target_logprob"] = target_logprob(target, ids, gen.tokens[0])
             runs.append(rec)
-        print(f"prompt {i + 1}/{len(rows)} ({domain}) done", file=sys.stderr, flush=True)
+        print("warm-up (every shape compiled) done" if i < 0 else f"prompt {i + 1}/{len(rows)} ({domain}) done",
+              file=sys.stderr, flush=True)
 
     by_draft = {}
     for n in drafts:  # each draft's SpS runs against the shared ArS and peer runs

@@ -2,11 +2,14 @@
 
     python scripts/bench_sampler.py                                   # demo target, self-draft + 4-layer cut draft
     python scripts/bench_sampler.py --draft DIR --prompts 6 --max-new-tokens 128 --json bench.json
+    python scripts/bench_sampler.py --compile --no-self-draft        # + our compiled decoding, and its c and v(K)
 
 Rows: our ArS vs transformers `generate` (the baseline every speed-up is quoted against must not be slow),
 and our SpS vs transformers assisted generation (`assistant_model=`, constant K, no confidence cut-off) with
 the same draft. EOS is suppressed so every run produces exactly max_new_tokens. Each prompt runs every
 configuration once, in a shuffled order; ratios are medians over prompts of per-prompt time ratios.
+With --compile, our loops also run compiled (`compile=True`): every step shape is compiled by a warm-up run
+before any timing (the compile times are printed), and c and v(K) are measured eager and compiled.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 import torch
 
 from sampling import autoregressive_generate, speculative_generate
+from sampling.compiled import compile_report
+from sampling.cost import measure_costs
 from sampling.models import DTYPE_CHOICES, load_model, load_tokenizer
 from sampling.precision import describe_run, run_info
 from sampling.stats import summary
@@ -51,6 +56,8 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run our loops with compiled static-shape steps, and measure c and v(K) both ways")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -72,20 +79,33 @@ def main():
     if T > 0:
         hf_common.update(temperature=T, top_p=P, top_k=0)
 
-    configs = {"ours_ars": lambda ids, g: autoregressive_generate(target, ids, max_new_tokens=N, temperature=T,
-                                                                  top_p=P, generator=g),
-               "hf_generate": lambda ids, g: target.generate(ids, **hf_common)}
+    modes = {"": False, "_compiled": True} if args.compile else {"": False}
+    configs = {}
+    for suffix, comp in modes.items():
+        configs[f"ours_ars{suffix}"] = (lambda comp: lambda ids, g: autoregressive_generate(
+            target, ids, max_new_tokens=N, temperature=T, top_p=P, generator=g, compile=comp))(comp)
+    configs["hf_generate"] = lambda ids, g: target.generate(ids, **hf_common)
     for name, d in drafts.items():
-        configs[f"ours_sps_{name}"] = (lambda d: lambda ids, g: speculative_generate(
-            target, d, ids, max_new_tokens=N, k=args.k, temperature=T, top_p=P, generator=g))(d)
+        for suffix, comp in modes.items():
+            configs[f"ours_sps_{name}{suffix}"] = (lambda d, comp: lambda ids, g: speculative_generate(
+                target, d, ids, max_new_tokens=N, k=args.k, temperature=T, top_p=P, generator=g, compile=comp))(d, comp)
         configs[f"hf_assisted_{name}"] = (lambda d: lambda ids, g: target.generate(ids, assistant_model=d,
                                                                                    **hf_common))(d)
 
     prompts = (PROMPTS * ((args.prompts + len(PROMPTS) - 1) // len(PROMPTS)))[: args.prompts]
     times = {c: [] for c in configs}
     extra = {c: [] for c in configs}
+    costs = {}
     with torch.inference_mode():
-        target(tok(prompts[0], return_tensors="pt").input_ids)  # warm-up
+        warm = tok(prompts[0], return_tensors="pt").input_ids
+        target(warm)  # warm-up
+        for c in configs:  # compiled configs compile every shape they meet here, outside the timing
+            if c.endswith("_compiled"):
+                configs[c](warm, torch.Generator().manual_seed(0))
+        if args.compile:
+            for suffix, comp in modes.items():
+                costs[f"{next(iter(drafts))}{suffix}"] = measure_costs(target, first, ks=range(1, args.k + 1),
+                                                                       compile=comp)
         for i, prompt in enumerate(prompts):
             ids = tok(prompt, return_tensors="pt").input_ids
             order = list(configs)
@@ -111,25 +131,45 @@ def main():
         return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
 
     ratios = {"ours_ars_vs_hf_generate": ratio("ours_ars", "hf_generate")}
+    if args.compile:
+        ratios["ours_ars_compiled_vs_hf_generate"] = ratio("ours_ars_compiled", "hf_generate")
+        ratios["ours_ars_compiled_vs_ours_ars"] = ratio("ours_ars_compiled", "ours_ars")
     for name in drafts:
-        ratios[f"ours_sps_{name}_vs_hf_assisted_{name}"] = ratio(f"ours_sps_{name}", f"hf_assisted_{name}")
-        ratios[f"ours_sps_{name}_vs_ours_ars"] = ratio(f"ours_sps_{name}", "ours_ars")
+        for suffix in modes:
+            ratios[f"ours_sps_{name}{suffix}_vs_hf_assisted_{name}"] = ratio(f"ours_sps_{name}{suffix}",
+                                                                              f"hf_assisted_{name}")
+            ratios[f"ours_sps_{name}{suffix}_vs_ours_ars{suffix}"] = ratio(f"ours_sps_{name}{suffix}",
+                                                                            f"ours_ars{suffix}")
         ratios[f"hf_assisted_{name}_vs_hf_generate"] = ratio(f"hf_assisted_{name}", "hf_generate")
+        if args.compile:
+            ratios[f"ours_sps_{name}_compiled_vs_ours_sps_{name}"] = ratio(f"ours_sps_{name}_compiled",
+                                                                            f"ours_sps_{name}")
 
     info = run_info(target=target, draft=first)
     print(f"\nmeasured on: {describe_run(info)}")
     print(f"{args.target}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts")
-    print(f"{'config':<20}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tok/call':>9}")
+    print(f"{'config':<26}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tok/call':>9}")
     for c, r in rows.items():
         m = r["ms_per_token"]
         a = f"{r['alpha']:.3f}" if "alpha" in r else "-"
         tpc = f"{r['tokens_per_call']:.2f}" if "tokens_per_call" in r else "-"
-        print(f"{c:<20}{r['tokens_per_s']:>8.1f}{m['mean']:>12.1f}{m['p50']:>8.1f}{m['p90']:>8.1f}{m['p99']:>8.1f}"
+        print(f"{c:<26}{r['tokens_per_s']:>8.1f}{m['mean']:>12.1f}{m['p50']:>8.1f}{m['p90']:>8.1f}{m['p99']:>8.1f}"
               f"{a:>8}{tpc:>9}")
     print("\nspeed ratios (median over prompts, > 1 = first is faster):")
     for k, v in ratios.items():
-        print(f"  {k:<42}{v:.3f}")
-    result = {"args": vars(args), **info, "rows": rows, "ratios": ratios}
+        print(f"  {k:<50}{v:.3f}")
+    if args.compile:
+        print("\ncompile time of each step shape (seconds, once per process):")
+        for r in compile_report():
+            print(f"  {r['model']:<36} {r['rows']} x {r['tokens']:<3} tokens {r['compile_s']:>7.1f}")
+        print(f"\ncost model of draft {next(iter(drafts))}: c = draft step / target step, "
+              "v(K) = (K+1)-token pass / 1-token pass")
+        for name, cost in costs.items():
+            vs = "  ".join(f"v({kk})={v:.2f}" for kk, v in cost["v"].items())
+            print(f"  {name:<16} target {cost['target_ms']:6.1f} ms  draft {cost['draft_ms']:6.1f} ms  "
+                  f"c={cost['c']:.3f}  {vs}")
+    result = {"args": vars(args), **info, "rows": rows, "ratios": ratios, "costs": costs,
+              "compile_report": compile_report()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

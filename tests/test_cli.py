@@ -65,3 +65,14 @@ def test_draft_with_another_tokenizer_is_refused(smoke_run, tmp_path):
     other = copy_with_swapped_tokens(out / "best_draft", tmp_path / "draft")
     res = cli("--draft", str(other), "--prompt", "x")
     assert res.returncode == 2 and "tokenizers differ" in res.stderr
+
+
+@pytest.mark.slow
+def test_compiled_generation_from_the_cli_matches_eager_greedy(smoke_run):
+    out, _ = smoke_run
+    args = ("--draft", str(out / "best_draft"), "--prompt", "def f(x):", "--max-new-tokens", "16", "--temperature",
+            "0", "--json")
+    eager, compiled = cli(*args), cli(*args, "--compile")
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
+    assert json.loads(compiled.stdout)["completion"] == json.loads(eager.stdout)["completion"]
+    assert json.loads(compiled.stdout)["stats"]["new_tokens"] == 16

@@ -115,7 +115,9 @@ def test_entry_trains_a_feature_draft(tmp_path):
     assert isinstance(draft, FeatureDraft)
 
 
-def test_on_policy_data_is_refused_for_a_feature_draft():
+@pytest.mark.parametrize("override, message", [("data=mixed", "feature draft cannot sample alone"),
+                                               ("sampler.compile=true", "a feature draft validates eagerly")])
+def test_what_a_feature_draft_cannot_do_is_refused(override, message):
     from conftest import ROOT
     from hydra import compose, initialize_config_dir
 
@@ -123,6 +125,6 @@ def test_on_policy_data_is_refused_for_a_feature_draft():
     from train.setup import SetupError, check_data
 
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
-        cfg = compose("draft", ["recipe=smoke", "draft=feature_head", "data=mixed"])
-    with pytest.raises(SetupError, match="feature draft cannot sample alone"):
+        cfg = compose("draft", ["recipe=smoke", "draft=feature_head", override])
+    with pytest.raises(SetupError, match=message):
         check_data(cfg, load_tokenizer("tiny-random"))

@@ -30,11 +30,11 @@ class AcceptanceCallback(L.Callback):
     def __init__(self, prompts: torch.Tensor, attention_mask: torch.Tensor, tokenizer, *, k: int, temperature: float,
                  top_p: float, top_k: int = 0, max_new_tokens: int = 64, seed: int = 0, log_samples: int = 2,
                  measure_cost: bool = True, on_target_prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 on_target_tokens: int = 128, samples_path: Path | None = None):
+                 on_target_tokens: int = 128, samples_path: Path | None = None, compile: bool = False):
         self.prompts, self.mask, self.tok = prompts, attention_mask, tokenizer
         self.k, self.max_new_tokens, self.seed, self.log_samples = k, max_new_tokens, seed, log_samples
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-        self.measure_cost = measure_cost
+        self.measure_cost, self.compile = measure_cost, compile
         self.on_target_prompts, self.on_target_tokens = on_target_prompts, on_target_tokens
         self.samples_path = samples_path
         self.on_target: Batch | None = None
@@ -66,7 +66,7 @@ class AcceptanceCallback(L.Callback):
         if self.measure_cost and self.cost is None:
             # c depends on the draft's shape, not its weights: measure once, in the target's dtype.
             draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval()
-            self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7)
+            self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7, compile=self.compile)
             del draft
 
     def on_validation_epoch_end(self, trainer, module):
@@ -76,7 +76,7 @@ class AcceptanceCallback(L.Callback):
         ids, mask = self.prompts.to(dev), self.mask.to(dev)
         draft = module.sampling_draft()
         gen = speculative_generate(module.target, draft, ids, attention_mask=mask,
-                                   max_new_tokens=self.max_new_tokens, k=self.k,
+                                   max_new_tokens=self.max_new_tokens, k=self.k, compile=self.compile,
                                    generator=torch.Generator(device=dev).manual_seed(self.seed), **self.sampling)
         s = gen.stats
         metrics = {"val/alpha": s.alpha or 0.0, "val/tokens_per_call": s.tokens_per_call,

@@ -110,7 +110,7 @@ def train(cfg: DictConfig) -> dict:
     acceptance_cb = AcceptanceCallback(ids, mask, tok, k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                        max_new_tokens=s.max_new_tokens, seed=cfg.seed,
                                        on_target_prompts=on_target,
-                                       on_target_tokens=s.on_target_tokens,
+                                       on_target_tokens=s.on_target_tokens, compile=s.get("compile", False),
                                        samples_path=out_dir / "val_target_samples.safetensors")
     metric = cfg.checkpoint.monitor
     checkpoint_cb = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor=metric, mode=cfg.checkpoint.mode,

@@ -163,6 +163,9 @@ def check_data(cfg, tokenizer) -> None:
     if not isinstance(start, (int, float)) or not 0.0 <= start < 1.0:
         raise SetupError(f"data.on_policy_from must be in [0, 1) (the fraction of training after which on-policy "
                          f"rows start), got {start}")
+    if cfg.sampler.get("compile") and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError("sampler.compile=true compiles independent drafts; a feature draft validates eagerly: "
+                         "set sampler.compile=false")
     if cfg.draft.get("init_from") and cfg.draft.get("kind", "independent") == "feature_head":
         raise SetupError("draft.init_from continues an independent draft; a feature draft cannot start from one")
     if f > 0 and cfg.draft.get("kind", "independent") == "feature_head":

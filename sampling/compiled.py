@@ -1,0 +1,182 @@
+"""Static-shape decoding steps compiled with torch.compile (opt-in: `compile=True`).
+
+Eager decoding pays per-operator overhead every step: compiled, a step fuses the small operators (norms, RoPE,
+activations, residual adds) around the matrix products. See `_step_fn` and docs/bench for what it measured.
+
+A compiled graph is specialised to its shapes, so everything a step sees keeps one shape for the whole
+generation:
+- the KV cache is transformers' `StaticCache`, `capacity` slots long (a power of two of at least 512, so
+  generations of other lengths and the cost model's timing reuse the graphs); attention always spans all of it,
+  and the mask says which slots count (the masked holes of speculative decoding, padding, unwritten slots);
+- finished rows stay in the batch (their results are dropped): dropping them would be a new batch size.
+The shapes left are the number of new tokens per step: 1 for a draft step and for plain decoding, K + 1 for a
+verify pass, 2 when a draft catches up on a token it never saw. Each compiles once per process (tens of seconds
+on this CPU; `compile_report()` lists them). Prefill (one pass over the prompt) runs eagerly on the same cache.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+
+from sampling.cache import expand_slots
+from sampling.feature import is_feature_draft
+from sampling.pruned import PrunedHeadDraft, PrunedOutput
+
+MIN_CAPACITY = 512  # capacities round up to a power of two, at least this: one graph serves most generations
+MAX_COMPILED_TOKENS = 16  # steps over more new tokens than this (prefill) run eagerly
+_REPORT: list[dict] = []  # one entry per (model, shape) compiled in this process
+
+
+def compile_report() -> list[dict]:
+    """[{'model', 'tokens', 'rows', 'compile_s'}] for every step shape compiled in this process so far."""
+    return list(_REPORT)
+
+
+def check_compilable(model) -> None:
+    if is_feature_draft(model):
+        raise ValueError("compile=True runs independent drafts and targets; a feature draft (its target's hidden "
+                         "states are handed over by hooks) runs eagerly: drop compile")
+    types = getattr(model.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or getattr(model.config, "sliding_window", None):
+        raise ValueError(f"compile=True needs full-attention layers; {type(model).__name__} has sliding-window "
+                         "layers, whose static cache cannot hold masked holes: drop compile")
+
+
+def _step_fn(model):
+    """The compiled forward of `model`, made once per model: tensors in, logits out (a pruned head's over its
+    subset). The weights stay inputs of the graph (no inductor freezing), so a draft validated between optimiser
+    steps is read as it is now; and the calibrated kernels of `kernels.py` are traced into it: measured on the
+    demo target (AVX2 EPYC, 2 threads), a 5-token step took 52-57 ms with them and 72-88 ms with inductor's own
+    (frozen, packed) products, a 1-token step 38-43 ms and 45-53 ms."""
+    step = model.__dict__.get("_draftsmith_step")
+    if step is None:
+        pruned = isinstance(model, PrunedHeadDraft)
+
+        def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep: int):
+            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                        use_cache=True, logits_to_keep=logits_to_keep)
+            return out.sub_logits if pruned else out.logits
+
+        # dynamo keeps one list of graphs per code object, and every model's `forward` shares this one: a target's
+        # K + 1 shapes and a draft's would pass the default limit of 8 and fall back to eager without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        step = torch.compile(forward, dynamic=False)
+        model.__dict__["_draftsmith_step"] = step
+        step.shapes = set()
+    return step
+
+
+def _wrap(model, logits):
+    if isinstance(model, PrunedHeadDraft):
+        return PrunedOutput(logits, model.token_ids, model.vocab)
+    return SimpleNamespace(logits=logits)
+
+
+class StaticDecoder:
+    """`speculative._Decoder`'s interface (call, settle, select, `valid`, `compactions`) over a StaticCache
+    of fixed shape, with compiled steps. `valid` (B_active, S) covers the active rows' filled slots."""
+
+    def __init__(self, model, capacity: int, holes: int | None = None):
+        check_compilable(model)
+        self.model = model
+        self.capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+        self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
+        if not all(type(layer) is StaticLayer for layer in self.cache.layers):
+            raise ValueError("compile=True needs full-attention layers only: drop compile")
+        self.step = _step_fn(model)
+        self.valid: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None  # active row -> row of the static batch
+        self.holes = holes
+        self.compactions = 0
+
+    def _mask(self, valid: torch.Tensor, q: int) -> torch.Tensor:
+        """(B, 1, q, capacity) bool: each query sees the valid slots before it and itself (a padding query
+        sees at least itself, so no row of the softmax is empty); finished rows see only their new slots."""
+        B, S = self.batch, self.filled
+        dev = valid.device
+        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        own = torch.eye(q, dtype=torch.bool, device=dev)
+        mask = torch.zeros(B, 1, q, self.capacity, dtype=torch.bool, device=dev)
+        mask[:, 0, :, S:S + q] = own
+        active = torch.zeros(len(self.rows), 1, q, self.capacity, dtype=torch.bool, device=dev)
+        if S:
+            active[:, 0, :, :S] = self.valid[:, None, :]
+        active[:, 0, :, S:S + q] = (causal & valid[:, None, :]) | own
+        mask[self.rows] = active
+        return mask
+
+    @property
+    def filled(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
+        if extra:
+            raise ValueError("compile=True runs independent drafts only")
+        Bn, q = tokens.shape
+        if self.rows is None:
+            self.batch, self.rows = Bn, torch.arange(Bn, device=tokens.device)
+        if self.filled + q > self.capacity:
+            raise RuntimeError(f"static cache of {self.capacity} slots is full ({self.filled} + {q})")
+        full_tokens = tokens.new_zeros(self.batch, q)
+        full_pos = positions.new_zeros(self.batch, q)
+        full_tokens[self.rows], full_pos[self.rows] = tokens, positions
+        mask = self._mask(valid, q)
+        keep = logits_to_keep or q
+        if self.valid is None or q > MAX_COMPILED_TOKENS:  # prefill: once, eagerly, into the same cache
+            out = self.model(input_ids=full_tokens, position_ids=full_pos, attention_mask=mask, cache=self.cache,
+                             use_cache=True, logits_to_keep=keep)
+            logits = out.sub_logits if isinstance(self.model, PrunedHeadDraft) else out.logits
+        else:
+            logits = self._compiled(full_tokens, full_pos, mask, keep)
+        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+        return _wrap(self.model, logits[self.rows])
+
+    def _compiled(self, tokens, positions, mask, keep):
+        t = time.perf_counter()
+        try:
+            logits = self.step(tokens, positions, mask, self.cache, keep)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # ValueError: the CLIs print it in one line
+            raise ValueError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "
+                             "on a CPU inductor needs a working C++ compiler (g++): install one or drop compile") from e
+        if (tokens.shape, keep) not in self.step.shapes:  # the first call of a shape compiled it
+            self.step.shapes.add((tokens.shape, keep))
+            _REPORT.append({"model": f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers)",
+                            "tokens": tokens.shape[1], "rows": tokens.shape[0],
+                            "compile_s": round(time.perf_counter() - t, 1)})
+        return logits
+
+    def settle(self, new_valid: torch.Tensor) -> None:
+        """As `_Decoder.settle`: mark the newest slots, crop trailing slots no row uses (the next write
+        overwrites them), compact when the holes exceed their budget."""
+        n = new_valid.shape[1]
+        self.valid[:, self.valid.shape[1] - n:] = new_valid
+        used = self.valid.any(0).nonzero()
+        keep = int(used[-1]) + 1 if len(used) else 0
+        if self.valid.shape[1] - keep:
+            self.cache.crop(keep - self.valid.shape[1])
+            self.valid = self.valid[:, :keep]
+        if self.holes is not None and keep - int(self.valid.sum(1).max()) > self.holes:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Each active row's valid slots to the front, in order (exact: see `cache.compact_cache`)."""
+        n = int(self.valid.sum(1).max())
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :n]
+        index = torch.arange(n, device=order.device).repeat(self.batch, 1)  # finished rows: anything in range
+        index[self.rows] = order
+        S = self.filled
+        for layer in self.cache.layers:
+            for kv in (layer.keys, layer.values):
+                kv[:, :, :n] = kv[:, :, :S].gather(2, expand_slots(index, kv))
+            layer.cumulative_length.fill_(n)
+        self.valid = self.valid.gather(1, order)
+        self.compactions += 1
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep active rows `rows`; the others stay in the static batch, unread."""
+        self.rows = self.rows[rows]
+        self.valid = self.valid[rows]
