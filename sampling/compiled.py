@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from sampling.cache import expand_slots
+from sampling.cache import Decoder, compaction_order, expand_slots
 from sampling.feature import is_feature_draft
 from sampling.pruned import PrunedHeadDraft, PrunedOutput
 
@@ -69,8 +69,8 @@ def _step_fn(model):
         # K + 1 shapes and a draft's would pass the default limit of 8 and fall back to eager without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         step = torch.compile(forward, dynamic=False)
+        step.eager, step.shapes = forward, set()  # eager: the prefill, one pass whose shape never recurs
         model.__dict__["_draftsmith_step"] = step
-        step.shapes = set()
     return step
 
 
@@ -80,9 +80,9 @@ def _wrap(model, logits):
     return SimpleNamespace(logits=logits)
 
 
-class StaticDecoder:
-    """`speculative._Decoder`'s interface (call, settle, select, `valid`, `compactions`) over a StaticCache
-    of fixed shape, with compiled steps. `valid` (B_active, S) covers the active rows' filled slots."""
+class StaticDecoder(Decoder):
+    """A `Decoder` over a StaticCache of fixed shape, with compiled steps; `settle` (crop, then compact past the
+    holes' budget) is the Decoder's. `valid` (B_active, S) covers the active rows' filled slots."""
 
     def __init__(self, model, capacity: int, holes: int | None = None):
         check_compilable(model)
@@ -117,9 +117,7 @@ class StaticDecoder:
     def filled(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
-    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
-        if extra:
-            raise ValueError("compile=True runs independent drafts only")
+    def __call__(self, tokens, positions, valid, logits_to_keep: int | None):
         Bn, q = tokens.shape
         if self.rows is None:
             self.batch, self.rows = Bn, torch.arange(Bn, device=tokens.device)
@@ -131,9 +129,7 @@ class StaticDecoder:
         mask = self._mask(valid, q)
         keep = logits_to_keep or q
         if self.valid is None or q > MAX_COMPILED_TOKENS:  # prefill: once, eagerly, into the same cache
-            out = self.model(input_ids=full_tokens, position_ids=full_pos, attention_mask=mask, cache=self.cache,
-                             use_cache=True, logits_to_keep=keep)
-            logits = out.sub_logits if isinstance(self.model, PrunedHeadDraft) else out.logits
+            logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep)
         else:
             logits = self._compiled(full_tokens, full_pos, mask, keep)
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
@@ -153,23 +149,10 @@ class StaticDecoder:
                             "compile_s": round(time.perf_counter() - t, 1)})
         return logits
 
-    def settle(self, new_valid: torch.Tensor) -> None:
-        """As `_Decoder.settle`: mark the newest slots, crop trailing slots no row uses (the next write
-        overwrites them), compact when the holes exceed their budget."""
-        n = new_valid.shape[1]
-        self.valid[:, self.valid.shape[1] - n:] = new_valid
-        used = self.valid.any(0).nonzero()
-        keep = int(used[-1]) + 1 if len(used) else 0
-        if self.valid.shape[1] - keep:
-            self.cache.crop(keep - self.valid.shape[1])
-            self.valid = self.valid[:, :keep]
-        if self.holes is not None and keep - int(self.valid.sum(1).max()) > self.holes:
-            self._compact()
-
     def _compact(self) -> None:
-        """Each active row's valid slots to the front, in order (exact: see `cache.compact_cache`)."""
-        n = int(self.valid.sum(1).max())
-        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices[:, :n]
+        """Each active row's valid slots to the front, in order (exact: see `cache.compact_cache`), in place."""
+        order = compaction_order(self.valid)
+        n = order.shape[1]
         index = torch.arange(n, device=order.device).repeat(self.batch, 1)  # finished rows: anything in range
         index[self.rows] = order
         S = self.filled

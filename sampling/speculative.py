@@ -1,6 +1,6 @@
 """The decoding loops that call the models: speculative sampling (SpS) and the autoregressive baseline (ArS).
 
-Both loops share one cache path (`_Decoder`), one logits processing (`probs.process_logits`) and one
+Both loops share one cache path (`cache.Decoder`), one logits processing (`probs.process_logits`) and one
 row bookkeeping (`_Rows`), so a speed-up measured between them is a fair one. The rejection math lives
 in `rejection.py`.
 
@@ -19,9 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from sampling.cache import compact_cache, preallocated_cache
+from sampling.cache import Decoder
 from sampling.compiled import StaticDecoder, check_compilable
 from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
@@ -35,67 +34,8 @@ class Generation:
     stats: GenerationStats
 
 
-class _Decoder:
-    """One model's decoding state for the active rows: its KV cache and which cache slots are valid."""
-
-    def __init__(self, model, capacity: int | None = None, holes: int | None = None):
-        """capacity: the cache length a generation can reach, when known: its KV cache is then allocated once and
-        written in place. holes: speculative decoding keeps rejected slots as masked holes (batch > 1), so its
-        caches would outgrow the tokens by up to (K + 1) / tokens_per_call; once more than `holes` slots of the
-        longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity. Measured
-        (demo, batch 16, K 4, fp32, scripts/bench_memory.py): peak RSS 1521 MB at 250 tokens and 2224 MB at 1,000
-        this way; DynamicCache with its holes 1829 MB and 3265 MB."""
-        self.model = model
-        if hasattr(model, "new_cache"):
-            self.cache = model.new_cache()
-        elif capacity is None:
-            self.cache = DynamicCache(config=model.config)
-        else:
-            self.cache = preallocated_cache(model.config, capacity)
-        self.valid: torch.Tensor | None = None  # (B, S) bool
-        self.holes = holes
-        self.compactions = 0
-
-    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
-        """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V)).
-        `extra`: a feature draft's `features`."""
-        mask = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
-        out = self.model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=None if bool(mask.all()) else mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **extra,
-        )
-        self.valid = mask
-        return out
-
-    def settle(self, new_valid: torch.Tensor) -> None:
-        """Set the validity of the newest slots (B, n), then crop trailing slots that no row uses, and compact
-        when the holes exceed their budget."""
-        n = new_valid.shape[1]
-        self.valid[:, self.valid.shape[1] - n:] = new_valid
-        used = self.valid.any(0).nonzero()
-        keep = int(used[-1]) + 1 if len(used) else 0
-        drop = self.valid.shape[1] - keep
-        if drop:
-            self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to remove
-            self.valid = self.valid[:, :keep]
-        if self.holes is not None and keep - int(self.valid.sum(1).max()) > self.holes:
-            valid = compact_cache(self.cache, self.valid)
-            if valid is not None:
-                self.valid = valid
-                self.compactions += 1
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
-
-
 def _decoder(model, capacity: int, holes: int | None = None, compile: bool = False):
-    return StaticDecoder(model, capacity, holes) if compile else _Decoder(model, capacity, holes)
+    return StaticDecoder(model, capacity, holes) if compile else Decoder(model, capacity, holes)
 
 
 class _Rows:
@@ -199,7 +139,7 @@ def _draft_tokens(out, K: int, cfg: SamplingConfig, generator, feed):
     return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
 
 
-def _prefill(dec: _Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
+def _prefill(dec: Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = (valid.long().cumsum(1) - 1).clamp_min(0)
     return dec(input_ids, positions, valid, logits_to_keep, **extra)
@@ -306,7 +246,7 @@ class _FeatureDrafter:
     that verification pass (they are exact there, its own were guesses)."""
 
     def __init__(self, draft, tap, capacity: int | None = None, holes: int | None = None, compile=False):
-        self.draft, self.tap, self.dec = draft, tap, _Decoder(draft, capacity, holes)
+        self.draft, self.tap, self.dec = draft, tap, Decoder(draft, capacity, holes)
         self.hidden = None  # (B, 1, H): output at the last verified slot, whose head proposes the first draft
         self.own = 0  # cache slots fed with its own outputs in this loop (dropped after verification)
 

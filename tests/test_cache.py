@@ -71,11 +71,11 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
 
 def test_model_logits_survive_compaction_of_holes():
     """A model over a cache with masked holes gives the same logits before and after its holes are compacted."""
-    from sampling.speculative import _Decoder
+    from sampling.cache import Decoder
 
     model = tiny_llama(vocab=16, layers=2, hidden=32)
     ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(1))
-    plain, packed = _Decoder(model, capacity=40), _Decoder(model, capacity=40, holes=0)
+    plain, packed = Decoder(model, capacity=40), Decoder(model, capacity=40, holes=0)
     ones = lambda n: torch.ones(2, n, dtype=torch.bool)  # noqa: E731
     pos = torch.arange(5)[None].expand(2, -1)
     for dec in (plain, packed):

@@ -208,12 +208,13 @@ def test_chi_square_detects_a_planted_bug(pair, monkeypatch):
 
 def test_compacted_caches_stay_exact(pair, monkeypatch):
     """Holes compacted after every loop that leaves any (HOLE_LOOPS 0): the batched loop still samples the target."""
+    import sampling.cache
     import sampling.speculative as spec
 
     target, draft = pair
     calls = []
     monkeypatch.setattr(spec, "HOLE_LOOPS", 0)
-    monkeypatch.setattr(spec, "compact_cache", lambda c, v: calls.append(1) or compact_cache(c, v))
+    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v: calls.append(1) or compact_cache(c, v))
     prompt, budget = [1, 3], 4
     exact = target_sequences(Dist(target, SamplingConfig(0.9, 0, 1.0)), prompt, budget, None)
     g = torch.Generator().manual_seed(77)

@@ -122,14 +122,15 @@ def test_feature_draft_passes_chi_square(pair, k, setting, prompt):
 
 def test_feature_draft_stays_exact_with_compacted_caches(pair, monkeypatch):
     """Holes compacted after every loop that leaves any: the feature draft's cache too (its one layer)."""
+    import sampling.cache
     import sampling.speculative as spec
     from sampling.feature import FeatureCache
 
     target, draft = pair
     compacted = []
-    real = spec.compact_cache
+    real = sampling.cache.compact_cache
     monkeypatch.setattr(spec, "HOLE_LOOPS", 0)
-    monkeypatch.setattr(spec, "compact_cache", lambda c, v: compacted.append(type(c)) or real(c, v))
+    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v: compacted.append(type(c)) or real(c, v))
     exact = target_sequences(Dist(target, SamplingConfig(0.9)), [1, 3], 4, None)
     g = torch.Generator().manual_seed(21)
     counts, stats = sample_counts(lambda ids: speculative_generate(target, draft, ids, max_new_tokens=4, k=2,
