@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from sampling.cache import Decoder, compaction_order, expand_slots
+from sampling.cache import Decoder, compaction_order, expand_slots, keep_index
 from sampling.feature import is_feature_draft
 from sampling.pruned import PrunedHeadDraft, PrunedOutput
 
@@ -129,7 +129,7 @@ class StaticDecoder(Decoder):
         mask = self._mask(valid, q)
         keep = logits_to_keep or q
         if self.valid is None or q > MAX_COMPILED_TOKENS:  # prefill: once, eagerly, into the same cache
-            logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep)
+            logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep_index(keep, q))
         else:
             logits = self._compiled(full_tokens, full_pos, mask, keep)
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sampling.cache import expand_slots
+from sampling.cache import expand_slots, keep_last
 from sampling.pruned import PrunedOutput
 
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
@@ -264,7 +264,7 @@ class FeatureDraft(nn.Module):
         out = self.midlayer.finish(self.midlayer.self_attn.out(q, k, v, mask), hidden)
         if logits_to_keep is None:
             return FeatureOutput(None, out)
-        return self.head(out[:, -logits_to_keep:])
+        return self.head(keep_last(out, logits_to_keep))
 
     # -- training: the training-time test ------------------------------------------------------------------
     def unroll(self, input_ids, features, steps: int, position_ids=None, mask=None) -> list[torch.Tensor]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sampling.cache import keep_last
+
 
 class PrunedHeadDraft(nn.Module):
     """Wraps an HF causal LM; its logits are the full vocabulary's, -inf outside `token_ids`."""
@@ -36,9 +38,7 @@ class PrunedHeadDraft(nn.Module):
 
     def forward(self, input_ids, logits_to_keep: int = 0, **kwargs):
         hidden = self.draft.model(input_ids=input_ids, **kwargs).last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        return PrunedOutput(self.head(hidden), self.token_ids, self.vocab)
+        return PrunedOutput(self.head(keep_last(hidden, logits_to_keep)), self.token_ids, self.vocab)
 
 
 class PrunedOutput:

@@ -92,3 +92,28 @@ def test_model_logits_survive_compaction_of_holes():
     assert packed.compactions >= 2 and plain.compactions == 0
     assert packed.valid.shape[1] < plain.valid.shape[1]
     assert bool(packed.valid[:, : int(packed.valid.sum(1).min())].all())
+
+
+def test_a_batched_prefill_keeps_its_last_logits_through_a_contiguous_gather():
+    # a slice of the last positions of a batch > 1 is a non-contiguous view, over which a linear head copies its
+    # weight once per row (7 s for the demo's head at batch 64, bf16): the Decoder hands the models an index
+    from sampling.cache import Decoder, keep_index, keep_last
+    from sampling.pruned import PrunedHeadDraft
+
+    h = torch.randn(3, 7, 5)
+    for k in (1, 2):
+        got = keep_last(h, k)
+        assert got.is_contiguous() and torch.equal(got, h[:, -k:])
+        assert torch.equal(keep_last(h, keep_index(k, 7)), h[:, -k:])
+    assert keep_index(0, 7) == 0 and keep_index(7, 7) == 7 and keep_index(None, 7) is None
+
+    model = tiny_llama(vocab=16, layers=2, hidden=32)
+    pruned = PrunedHeadDraft(model, torch.tensor([0, 3, 5, 9, 15]))
+    ids = torch.randint(0, 16, (3, 6), generator=torch.Generator().manual_seed(2))
+    pos, valid = torch.arange(6).expand(3, -1), torch.ones(3, 6, dtype=torch.bool)
+    with torch.no_grad():
+        full, sub = model(input_ids=ids).logits, pruned(input_ids=ids).sub_logits
+        for m, ref in ((model, full), (pruned, sub)):
+            out = Decoder(m, capacity=8)(ids, pos, valid, 2)
+            got = out.sub_logits if m is pruned else out.logits
+            assert got.shape == (3, 2, ref.shape[-1]) and torch.allclose(got, ref[:, -2:], atol=1e-5)

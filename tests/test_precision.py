@@ -65,7 +65,9 @@ def test_cache_is_invalidated_when_its_key_changes(home, monkeypatch):
     calls = stub_probe(monkeypatch, SLOW)
     precision.resolve("auto", "train")
     real = precision.machine
-    for change in ({"threads": 64}, {"torch": "9.9.9"}, {"cpu": "Another CPU"}, {"native_bf16": True}):
+    # each a real change on any machine: native_bf16 flips whatever this CPU has
+    for change in ({"threads": 64}, {"torch": "9.9.9"}, {"cpu": "Another CPU"},
+                   {"native_bf16": not real()["native_bf16"]}):
         monkeypatch.setattr(precision, "machine", lambda c=change: {**real(), **c})
         precision.resolve("auto", "train")
     assert len(calls) == 5

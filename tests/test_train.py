@@ -325,6 +325,23 @@ def test_generated_corpus_is_resumable(tmp_path):
     assert lines[:2] == first and len(lines) == 3 and json.loads(lines[2])["text"].startswith("class B:")
 
 
+
+def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_same_file(tmp_path):
+    from sampling.models import load_model, load_tokenizer
+    from train.corpus import generate_corpus
+
+    tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
+    prompts = ["def a():", "import os", "class B:"]
+    kw = dict(samples_per_prompt=2, max_new_tokens=8, batch_size=2, progress=False)
+    capped, whole = tmp_path / "capped.jsonl", tmp_path / "whole.jsonl"
+    generate_corpus(target, tok, prompts, capped, max_seconds=0, **kw)
+    assert len(capped.read_text().splitlines()) == 2  # one batch, then the limit
+    generate_corpus(target, tok, prompts, capped, max_seconds=0, **kw)
+    assert len(capped.read_text().splitlines()) == 4
+    generate_corpus(target, tok, prompts, capped, **kw)
+    generate_corpus(target, tok, prompts, whole, **kw)
+    assert capped.read_text() == whole.read_text() and len(whole.read_text().splitlines()) == 6
+
 @pytest.mark.slow
 def test_ddp_two_processes_end_to_end(tmp_path):
     res = run_entry("recipe=smoke", "trainer=ddp", f"hydra.run.dir={tmp_path}/run", "logger=csv")

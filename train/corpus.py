@@ -165,9 +165,11 @@ def _complete_rows(path: Path, batch_size: int, total: int) -> int:
 
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
-                    seed: int = 0, progress: bool = True) -> Path:
+                    seed: int = 0, progress: bool = True, max_seconds: float | None = None) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (field `text`); resumable: rows
-    already in the file are kept and the work continues after them."""
+    already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
+    batch that crosses it (samples_per_prompt is then a ceiling: a fast CPU gets more data in the same time), and
+    a later call continues the file."""
     from tqdm import tqdm
 
     from sampling import autoregressive_generate
@@ -195,4 +197,10 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
             new_tokens += gen.stats.new_tokens
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tokens/s, batch {len(chunk)}")
             bar.update(len(chunk))
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds and start + batch_size < len(todo):
+                rows = done + start + len(chunk)
+                print(f"target-generated corpus: {max_seconds / 60:.0f} min spent (data.generated.max_minutes), "
+                      f"stopping at {rows} of {len(jobs)} samples, {rows / len(prompts):.1f} per prompt; a rerun "
+                      "continues the cached file")
+                break
     return out_path
