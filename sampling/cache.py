@@ -121,14 +121,14 @@ def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor | None:
     return valid.gather(1, index)
 
 
-def keep_index(logits_to_keep: int | None, T: int):
+def keep_index(logits_to_keep: int | None, T: int, device=None):
     """`logits_to_keep` for a forward over T new positions: the index tensor of the last ones when only some are
     kept. Their slice is a non-contiguous (B > 1, k, H) view, and a linear layer over a non-contiguous 3-D input
     falls back to a batched product that copies its weight once per row: the demo's 49k-row head after a prefill
     of batch 64 took 7.1 s in bf16 and 0.23 s in fp32, against 0.011 s and 0.021 s over a gathered copy (measured,
     torch 2.13 CPU). Transformers' models and ours take the index as it is."""
     if isinstance(logits_to_keep, int) and 0 < logits_to_keep < T:
-        return torch.arange(T - logits_to_keep, T)
+        return torch.arange(T - logits_to_keep, T, device=device)
     return logits_to_keep
 
 
@@ -171,7 +171,7 @@ class Decoder:
             attention_mask=None if bool(mask.all()) else mask,
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=keep_index(logits_to_keep, tokens.shape[1]),
+            logits_to_keep=keep_index(logits_to_keep, tokens.shape[1], tokens.device),
             **extra,
         )
         self.valid = mask

@@ -129,7 +129,7 @@ class StaticDecoder(Decoder):
         mask = self._mask(valid, q)
         keep = logits_to_keep or q
         if self.valid is None or q > MAX_COMPILED_TOKENS:  # prefill: once, eagerly, into the same cache
-            logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep_index(keep, q))
+            logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep_index(keep, q, tokens.device))
         else:
             logits = self._compiled(full_tokens, full_pos, mask, keep)
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)

@@ -325,7 +325,6 @@ def test_generated_corpus_is_resumable(tmp_path):
     assert lines[:2] == first and len(lines) == 3 and json.loads(lines[2])["text"].startswith("class B:")
 
 
-
 def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_same_file(tmp_path):
     from sampling.models import load_model, load_tokenizer
     from train.corpus import generate_corpus
@@ -341,6 +340,7 @@ def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_s
     generate_corpus(target, tok, prompts, capped, **kw)
     generate_corpus(target, tok, prompts, whole, **kw)
     assert capped.read_text() == whole.read_text() and len(whole.read_text().splitlines()) == 6
+
 
 @pytest.mark.slow
 def test_ddp_two_processes_end_to_end(tmp_path):

@@ -159,7 +159,7 @@ def _generated_corpus(cfg, target, tok, file_prompts):
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
-                           max_seconds=None if g.get("max_minutes") is None else 60 * g.max_minutes)
+                           max_seconds=None if g.max_minutes is None else 60 * g.max_minutes)
 
 
 def _head_frequencies(cfg, draft_cfg, tok, token_counts: torch.Tensor) -> torch.Tensor:

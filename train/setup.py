@@ -188,9 +188,9 @@ def check_data(cfg, tokenizer) -> None:
         raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
                          "it to 0")
     g = d.generated
-    if g.enabled and g.get("max_minutes") is not None and not g.max_minutes > 0:
-        raise SetupError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got {g.max_minutes}")
     if g.enabled:
+        if g.max_minutes is not None and not g.max_minutes > 0:
+            raise SetupError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got {g.max_minutes}")
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
         if budget < d.batch_size * d.block_size:
             raise SetupError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "
