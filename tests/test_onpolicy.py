@@ -124,6 +124,35 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
     assert any(not torch.equal(before_d[k], v) for k, v in draft.state_dict().items())
 
 
+def test_a_mixed_batch_runs_the_target_on_the_drafts_rows_only_and_keeps_the_corpus_rows():
+    """With a teacher cache the corpus rows of a mixed batch come from it (after their first visit), and the
+    target scores only the draft's fresh rows: the logits equal a direct teacher pass on each part."""
+    from train.models import DraftConfig, build_draft
+    from train.module import DraftModule
+    from train.teacher import TeacherCache
+
+    target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
+    draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+    cache = TeacherCache(8, 11, V - 1, V)
+    module = DraftModule(draft, target, loss={"distill": True, "weights": {"tv": 1}}, optim={}, sampler={
+        "temperature": 1.0}, max_steps=1, teacher_cache=cache)
+    ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([3, 1, 6, 0])
+    module._target_logits(Batch(ids), rows)  # the blocks' first visit fills the cache
+    b = OnPolicy(0.5, openings(ids, 4), temperature=1.0)(one_token_draft(7), ids)
+    seen = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    got = module._target_logits(b, rows)
+    hook.remove()
+    assert b.sampled == 2 and seen == [2]  # one pass, over the draft's two rows
+    with torch.no_grad():
+        fresh = Batch(b.ids[:2], None if b.mask is None else b.mask[:2]).logits(target)
+        kept = torch.log_softmax(Batch(ids[2:]).logits(target), -1)
+    assert torch.equal(got[:2], fresh)
+    assert (got[2:] - kept).abs().max() < 0.02  # fp16-kept log-probabilities of the corpus rows
+    assert cache.hits == 2 and cache.misses == 4
+
+
 def direct_alpha(target, draft, samples: Batch, cfg) -> float:
     """Row by row, unpadded, position by position: mean of sum_x min(p, q) over the sampled tokens."""
     accs = []
@@ -196,3 +225,20 @@ def test_mixed_recipe_with_a_prompts_file_trains_and_monitors_alpha_on_target(tm
     assert report["monitor"] == "val/alpha_on_target" and 0 < report["best_score"] <= 1
     rows = (out / "csv" / "metrics.csv").read_text()
     assert "train/on_policy_s" in rows and "val/alpha_on_target" in rows
+
+
+@pytest.mark.parametrize("name", ["train", "broad"])
+def test_shipped_training_prompts_hold_no_eval_prompt_and_any_prefix_is_half_code(name):
+    """The code and english sets measure drafts on prompts they never trained on: no training prompt is one of
+    them or defines one of their functions. A time-limited sampler reaches a prefix of broad.jsonl: past its 126
+    hand-written prompts (train.jsonl's, English first), any prefix is about half code."""
+    from train.evaluate import load_prompts
+
+    held = [r["prompt"] for s in ("code", "english") for r in load_prompts(s)]
+    names = {p.split("def ")[1].split("(")[0] for p in held if "def " in p} - {"__init__"}
+    rows = load_prompts(name)
+    assert not {r["prompt"] for r in rows} & set(held)
+    assert not any(f"def {n}(" in r["prompt"] for r in rows for n in names)
+    for n in (300, len(rows) // 2, len(rows)) if name == "broad" else ():
+        share = sum(r["domain"] == "code" for r in rows[:n]) / n
+        assert 0.35 < share < 0.65, (n, share)

@@ -43,18 +43,26 @@ def test_processing_matches_reference(t, k, p):
     torch.testing.assert_close(got.sum(-1), torch.ones(6))
 
 
-def test_top_p_fast_path_equals_full_sort_on_large_vocab():
-    """The top-1024 candidate path and the full-sort fallback must give the same distribution."""
+def test_top_p_candidate_tiers_equal_the_full_sort_on_large_vocab():
+    """The top-64 and top-1024 candidate paths and the full-sort fallback give the same distribution, alone and
+    mixed in one batch (each row widens only as far as its nucleus needs)."""
     g = torch.Generator().manual_seed(0)
-    peaked = torch.randn(4, 49152, generator=g) * 4  # nucleus inside the top 1024
-    flat = torch.randn(4, 49152, generator=g) * 0.01  # nucleus needs thousands of tokens: fallback
-    mixed = torch.stack([peaked[0], flat[0], peaked[1], flat[1]])  # only the flat rows take the fallback
-    for logits in (peaked, flat, mixed, mixed.view(2, 2, -1)):
-        got = process_logits(logits, SamplingConfig(0.8, 0, 0.95)).reshape(-1, 49152)
-        logits = logits.reshape(-1, 49152)
-        ref = reference(logits, 0.8, 0, 0.95)
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-4)
-    assert (process_logits(flat, SamplingConfig(0.8, 0, 0.95)) > 0).sum(-1).min() > 1024
+    V = 49152
+
+    def nucleus_of(n):  # rows whose nucleus at T 0.8, top-p 0.95 holds about n tokens
+        logits = torch.randn(2, V, generator=g) * 0.01 - 30.0
+        logits[:, :n] += 30.0
+        return logits
+
+    small, middle, flat = nucleus_of(20), nucleus_of(400), torch.randn(2, V, generator=g) * 0.01
+    mixed = torch.stack([small[0], flat[0], middle[0], small[1], flat[1], middle[1]])
+    for logits in (small, middle, flat, mixed, mixed.view(2, 3, -1)):
+        got = process_logits(logits, SamplingConfig(0.8, 0, 0.95)).reshape(-1, V)
+        logits = logits.reshape(-1, V)
+        torch.testing.assert_close(got, reference(logits, 0.8, 0, 0.95), atol=1e-6, rtol=1e-4)
+    sizes = (process_logits(mixed, SamplingConfig(0.8, 0, 0.95)) > 0).sum(-1).tolist()
+    assert all(s <= 64 for s in sizes[0::3]) and 64 < min(sizes[2::3]) and max(sizes[2::3]) <= 1024
+    assert min(sizes[1::3]) > 1024  # every tier was taken
 
 
 def test_top_k_keeps_ties_like_hf():

@@ -182,8 +182,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     done = _complete_rows(out_path, batch_size, len(jobs))
     todo = jobs[done:]
     new_tokens, t0 = 0, time.perf_counter()
-    with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress,
-                                       desc="target-generated corpus") as bar:
+    desc = "target-generated corpus" + ("" if max_seconds is None else f" (at most {max_seconds / 60:.0f} min)")
+    with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress, desc=desc) as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start: start + batch_size]
             ids, mask = encode_batch(tokenizer, [p for _, p in chunk])

@@ -151,8 +151,10 @@ def _generated_corpus(cfg, target, tok, file_prompts):
         prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
     else:
         prompts = file_prompts[: g.n_prompts]
-    s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable)
-    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template]).encode())
+    s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable), and the
+    # prompts file's text itself: an edited file must not continue the samples of the old one
+    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
+                                        file_prompts]).encode())
     name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
             f"-{origin.hexdigest()[:8]}")
     path = cache_home() / "generated" / f"{name}.jsonl"

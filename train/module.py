@@ -66,13 +66,22 @@ class DraftModule(L.LightningModule):
         if not self.loss_cfg.get("distill", True):
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
-            if not self._kept(b, rows):
-                logits = b.logits(self.target)
-                return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
-            return self._kept_outputs(b, rows, lambda sub: (sub.logits(self.target), None))[0]
+            if self.teacher_cache is None or rows is None:
+                return self._head_columns(b.logits(self.target))
+            # the draft's own rows are new each time; the corpus rows after them come from the teacher cache
+            n = b.sampled
+            parts = [] if n == 0 else [self._head_columns(Batch(
+                b.ids[:n], None if b.mask is None else b.mask[:n]).logits(self.target))]
+            if n < len(b.ids):
+                parts.append(self._kept_outputs(Batch(b.ids[n:]), rows[n:],
+                                                lambda sub: (sub.logits(self.target), None))[0])
+            return torch.cat(parts)
+
+    def _head_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
 
     def _kept(self, b: Batch, rows: torch.Tensor | None) -> bool:
-        """Whether the target's outputs on `b` come from the teacher cache: not for on-policy rows (new each time)."""
+        """Whether a feature draft's target outputs on `b` come from the teacher cache (it never has sampled rows)."""
         return self.teacher_cache is not None and rows is not None and b.loss_mask is None
 
     def _kept_outputs(self, b: Batch, rows: torch.Tensor, teacher):
@@ -107,7 +116,7 @@ class DraftModule(L.LightningModule):
         b = Batch(ids)
         if self.on_policy is not None:
             t = time.perf_counter()
-            b = self.on_policy(self.draft, ids, self._progress())
+            b = self.on_policy(self.sampling_draft(), ids, self._progress())  # as deployed: its pruned head
             self.log("train/on_policy_s", time.perf_counter() - t)
         if self.feature:
             logits, tlogits, labels = self._feature_logits(b, rows)

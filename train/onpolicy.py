@@ -20,11 +20,13 @@ from sampling import autoregressive_generate
 @dataclass
 class Batch:
     """A training batch. ids (B, T); mask (B, T) marks real tokens (left padding of prompts is 0), None when all
-    real; loss_mask (B, T-1) marks the label positions the loss is taken on, None when all."""
+    real; loss_mask (B, T-1) marks the label positions the loss is taken on, None when all; its first `sampled`
+    rows are the draft's own (no corpus block behind them, so the target must score them afresh)."""
 
     ids: torch.Tensor
     mask: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    sampled: int = 0
 
     def positions(self) -> torch.Tensor | None:
         """Position ids that skip left padding (RoPE must see a padded prompt at its true positions)."""
@@ -103,4 +105,4 @@ class OnPolicy:
         P = self.prompts[0].shape[1]
         loss_mask = torch.ones(B, T - 1, dtype=torch.bool, device=ids.device)
         loss_mask[:n, : P - 1] = False  # labels at P-1.. are the sampled tokens; the prompt is not the draft's
-        return Batch(out_ids, None if bool(mask.all()) else mask, loss_mask)
+        return Batch(out_ids, None if bool(mask.all()) else mask, loss_mask, sampled=n)
