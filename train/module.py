@@ -116,7 +116,7 @@ class DraftModule(L.LightningModule):
         b = Batch(ids)
         if self.on_policy is not None:
             t = time.perf_counter()
-            b = self.on_policy(self.sampling_draft(), ids, self._progress())  # as deployed: its pruned head
+            b = self.on_policy(self.sampling_draft, ids, self._progress())  # as deployed: its pruned head
             self.log("train/on_policy_s", time.perf_counter() - t)
         if self.feature:
             logits, tlogits, labels = self._feature_logits(b, rows)

@@ -72,6 +72,8 @@ class OnPolicy:
         return int(round(self.fraction * batch_size))
 
     def _refill(self, draft, n: int, T: int, device) -> None:
+        if not isinstance(draft, torch.nn.Module):
+            draft = draft()
         pick = torch.randint(0, len(self.prompts[0]), (max(n, self.buffer),), generator=self.generator)
         prompt, pmask = self.prompts[0][pick].to(device), self.prompts[1][pick].to(device)
         P = prompt.shape[1]
@@ -91,8 +93,10 @@ class OnPolicy:
         self.sampled_rows += len(ids)
 
     def __call__(self, draft, ids: torch.Tensor, progress: float = 1.0) -> Batch:
-        """`progress`: the fraction of training done; before `start` the batch stays as it is (a cold draft's
-        samples are not text: distilling on them from the first step collapsed acceptance, docs/ablation)."""
+        """`draft`: the model that samples, or a function that builds it, called only when rows are sampled (the
+        sampler's pruned-head view of a draft copies its head). `progress`: the fraction of training done; before
+        `start` the batch stays as it is (a cold draft's samples are not text: distilling on them from the first
+        step collapsed acceptance, docs/ablation)."""
         B, T = ids.shape
         n = self.rows(B) if progress >= self.start else 0
         if n == 0:
