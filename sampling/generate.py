@@ -27,8 +27,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    ap.add_argument("-k", default="4", help="draft tokens per loop, or 'auto': chosen before each loop from the "
-                    "running acceptance and the measured costs (default: %(default)s)")
+    ap.add_argument("-k", default="4", help="draft tokens per loop, or 'auto': after each drafted token, one more "
+                    "if the draft's confidence, the running acceptance and the measured costs say it pays "
+                    "(default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=0)

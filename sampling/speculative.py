@@ -126,17 +126,32 @@ def _next_token(out, cfg: SamplingConfig, generator):
     return p, sample(p, generator)
 
 
-def _draft_tokens(out, K: int, cfg: SamplingConfig, generator, feed):
-    """K draft tokens from output `out` on; `feed(i, d_i, out)` runs the draft on its i-th token and returns the
-    next output. -> (p (B, K, V), or None when greedy; drafts (B, K))."""
-    p_list, d_list = [], []
+def _draft_tokens(out, K: int, cfg: SamplingConfig, generator, feed, stop=None):
+    """Up to K draft tokens from output `out` on; `feed(i, d_i, out)` runs the draft on its i-th token and returns the
+    next output. `stop(confs)`, given the draft's probability of each token drafted so far (k="auto"), may end the
+    drafting early: it sees only the draft's side, so the output stays exact.
+    -> (p (B, K', V), or None when greedy; drafts (B, K'); confs (B, K') or None without `stop`), K' <= K."""
+    p_list, d_list, c_list = [], [], []
     for i in range(K):
         p_i, d_i = _next_token(out, cfg, generator)
         p_list.append(p_i)
         d_list.append(d_i)
+        if stop is not None:
+            c_list.append(_confidence(out, p_i, d_i))
+            if i < K - 1 and stop(c_list):
+                break
         if i < K - 1:
             out = feed(i, d_i, out)
-    return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1)
+    confs = torch.stack(c_list, 1) if c_list else None
+    return None if cfg.greedy else torch.stack(p_list, 1), torch.stack(d_list, 1), confs
+
+
+def _confidence(out, p_i, d_i) -> torch.Tensor:
+    """(B,) the draft's probability of the token it drew; greedy: of its argmax, at temperature 1."""
+    if p_i is not None:
+        return p_i.gather(-1, d_i[:, None]).squeeze(-1).double()
+    logits = out.logits[:, -1] if getattr(out, "token_ids", None) is None else out.sub_logits[:, -1]
+    return torch.softmax(logits.double(), -1).amax(-1)
 
 
 def _prefill(dec: Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
@@ -213,7 +228,7 @@ class _ModelDrafter:
         self.backlog = torch.zeros(B, dtype=torch.long, device=dev)
         self.has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
 
-    def propose(self, pending, pos, K, cfg, generator):
+    def propose(self, pending, pos, K, cfg, generator, stop=None):
         ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
         self.fed_backlog = bool(self.has_backlog.any())
         if self.fed_backlog:
@@ -222,7 +237,7 @@ class _ModelDrafter:
         else:
             out = self.dec(pending[:, None], pos[:, None], ones, 1)
         return _draft_tokens(out, K, cfg, generator,
-                             lambda i, d_i, out: self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1))
+                             lambda i, d_i, out: self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1), stop)
 
     def accept(self, n, drafts, nxt, pos, features, last: bool):
         """Roll the cache back to what it was fed of the accepted prefix (its last draft token is never fed)."""
@@ -262,13 +277,14 @@ class _FeatureDrafter:
     def start(self, B, dev):
         self.hidden = None  # a one-token prompt: the first loop drafts nothing (K = 0)
 
-    def propose(self, pending, pos, K, cfg, generator):
+    def propose(self, pending, pos, K, cfg, generator, stop=None):
         ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
-        self.own = K - 1
         # slot pos + i: its own output stands in for the target's feature
-        return _draft_tokens(self.draft.head(self.hidden), K, cfg, generator,
-                             lambda i, d_i, out: self.dec(d_i[:, None], (pos + i)[:, None], ones, 1,
-                                                          features=out.hidden))
+        p, drafts, confs = _draft_tokens(self.draft.head(self.hidden), K, cfg, generator,
+                                         lambda i, d_i, out: self.dec(d_i[:, None], (pos + i)[:, None], ones, 1,
+                                                                      features=out.hidden), stop)
+        self.own = drafts.shape[1] - 1
+        return p, drafts, confs
 
     def accept(self, n, drafts, nxt, pos, features, last: bool):
         B = n.shape[0]
@@ -296,10 +312,30 @@ HOLE_LOOPS = 16  # loops' worth of holes (K + 1 slots each) a cache may hold bef
 _COSTS: dict = {}  # (id(target), id(draft), compile) -> measured cost model, for k="auto" without a given one
 
 
+def _interpolate(v: dict, k: int) -> float:
+    """v(K) at a K the cost model did not measure (a bench sweep of 1, 2, 4 leaves out 3): linear between its
+    neighbours, v(0) = 1 (a plain target step)."""
+    if k in v or k == 0:
+        return v.get(k, 1.0)
+    lo, hi = max((j for j in v if j < k), default=None), min((j for j in v if j > k), default=None)
+    if lo is None or hi is None:
+        return v[hi if lo is None else lo]
+    return v[lo] + (k - lo) / (hi - lo) * (v[hi] - v[lo])
+
+
 class KChooser:
-    """K per loop (k="auto"): maximise the expected tokens per unit of time of the DESIGN speed-up model,
-    sum_rows (1 - a_r^(K+1)) / (1 - a_r) / (K c + v(K)), with a_r each row's posterior mean acceptance (a Beta
-    prior of weight `strength` tokens at `alpha_prior`, updated with the row's tested and accepted drafts)."""
+    """K per loop (k="auto"), decided token by token from the draft's side, so the output stays exact.
+
+    After each drafted token the draft stops where the DESIGN speed-up model says stopping now gives the most
+    expected tokens per unit of time, sum_rows E_r(K) / (K c + v(K)), against drafting on to any K up to `k_max`.
+    E_r(K) = 1 + sum_{j<=K} prod_{l<=j} a_rl: the tokens drafted so far each carry an acceptance predicted from the
+    draft's probability of them (a table over `BINS` bins of that probability, fitted online to min(1, q/p) at
+    every drafted position: a token the draft was unsure of is rejected more often); tokens not yet drafted carry
+    the row's posterior mean acceptance (a Beta prior of weight `strength` tokens at `alpha_prior`, updated with
+    the row's tested and accepted drafts). Before any observation both are `alpha_prior`, and the first loop's K is
+    the fixed K the speed-up model would pick at that alpha."""
+
+    BINS = 10
 
     def __init__(self, target, draft, rows: int, k_max: int, cost: dict | None, alpha_prior: float,
                  strength: float = 8.0, compile: bool = False):
@@ -314,25 +350,47 @@ class KChooser:
 
                 _COSTS[key] = measure_costs(target, draft, ks=range(1, k_max + 1), reps=5, compile=compile)
             cost = _COSTS[key]
-        v = {int(kk): float(x) for kk, x in cost["v"].items()}
-        self.ks = [kk for kk in range(1, k_max + 1) if kk in v]
-        if not self.ks:
+        v = {int(kk): float(x) for kk, x in cost["v"].items() if int(kk) <= k_max}
+        if not v:
             raise ValueError(f"the cost model has no v(K) for K in 1..{k_max}")
-        self.time = torch.tensor([kk * float(cost["c"]) + v[kk] for kk in self.ks], dtype=torch.float64)
+        self.k_max = max(v)
+        self.time = torch.tensor([k * float(cost["c"]) + _interpolate(v, k) for k in range(self.k_max + 1)],
+                                 dtype=torch.float64)  # index K; K = 0 is never chosen (a loop drafts >= 1)
         self.accepted = torch.full((rows,), alpha_prior * strength, dtype=torch.float64)
         self.tested = torch.full((rows,), strength, dtype=torch.float64)
+        self.bin_accept = torch.full((self.BINS,), alpha_prior, dtype=torch.float64)  # one pseudo-token per bin
+        self.bin_count = torch.ones(self.BINS, dtype=torch.float64)
 
-    def choose(self, active: torch.Tensor) -> int:
-        a = (self.accepted[active.cpu()] / self.tested[active.cpu()]).clamp(max=1 - 1e-6)[:, None]
-        kk = torch.tensor(self.ks, dtype=torch.float64)[None, :]
-        tokens = (1 - a ** (kk + 1)) / (1 - a)  # (rows, K)
-        return self.ks[int((tokens.sum(0) / self.time).argmax())]
+    def _bins(self, conf: torch.Tensor) -> torch.Tensor:
+        return (conf * self.BINS).long().clamp_(0, self.BINS - 1)
 
-    def update(self, active: torch.Tensor, n: torch.Tensor, K: int) -> None:
+    def stopper(self, active: torch.Tensor, bound: int):
+        """The `stop(confs)` of one loop over the `active` rows, drafting at most `bound` tokens."""
+        a = (self.accepted[active.cpu()] / self.tested[active.cpu()]).clamp(max=1 - 1e-6)[:, None]  # (B, 1)
+        table = self.bin_accept / self.bin_count
+
+        def stop(confs: list[torch.Tensor]) -> bool:
+            i = len(confs)
+            if i >= bound:
+                return True
+            pred = table[self._bins(torch.stack(confs, 1).cpu())]  # (B, i)
+            prefix = pred.cumprod(1)
+            more = (a ** torch.arange(1, bound - i + 1, dtype=torch.float64)).cumsum(1)  # (B, bound - i)
+            expected = 1 + prefix.sum(1, keepdim=True) + prefix[:, -1:] * torch.cat([torch.zeros_like(a), more], 1)
+            return int((expected.sum(0) / self.time[i:bound + 1]).argmax()) == 0
+
+        return stop
+
+    def update(self, active: torch.Tensor, n: torch.Tensor, K: int, confs: torch.Tensor, accept: torch.Tensor):
+        """n (B,) drafts accepted of K; confs, accept (B, K): the draft's probability of each drafted token and the
+        probability the target accepts it, min(1, q/p) (greedy: whether it matched)."""
         idx = active.cpu()
         n = n.cpu().double()
         self.accepted[idx] += n
         self.tested[idx] += torch.clamp(n + 1, max=K)  # drafts that reached the test
+        bins = self._bins(confs.cpu()).flatten()
+        self.bin_accept.index_add_(0, bins, accept.cpu().double().flatten())
+        self.bin_count.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
 
 
 @torch.inference_mode()
@@ -356,9 +414,10 @@ def speculative_generate(
 ) -> Generation:
     """Speculative sampling (SpS, Chen et al. 2023, Algorithm 2): output distributed exactly as the target's.
 
-    k="auto" chooses K before each loop (`KChooser`): from each row's running acceptance (prior `alpha_prior`,
-    e.g. a bundle card's alpha) and the cost model's c and v(K) (`cost`, as `sampling.cost.measure_costs`
-    returns; measured once per model pair when not given), up to `k_max`. Exact: K is fixed before the draft runs.
+    k="auto" chooses K in each loop as the draft runs (`KChooser`): from the draft's probability of each token it
+    drew, each row's running acceptance (prior `alpha_prior`, e.g. a bundle card's alpha) and the cost model's c
+    and v(K) (`cost`, as `sampling.cost.measure_costs` returns; measured once per model pair when not given), up to
+    `k_max`. Exact: whether to draft one more token depends on the draft's side and on past loops only.
 
     Each loop: the draft proposes K tokens autoregressively from its processed distribution p; the target
     scores all K+1 positions in one pass (q); `rejection.verify` keeps a prefix and emits one more token.
@@ -373,7 +432,7 @@ def speculative_generate(
     chooser = None
     if k == "auto":
         chooser = KChooser(target, draft, input_ids.shape[0], k_max, cost, alpha_prior, compile=compile)
-        k = k_max
+        k = chooser.k_max
     _check_inputs([target, draft], input_ids, attention_mask, max_new_tokens, k)
     if _vocab_size(target) != _vocab_size(draft):
         raise ValueError(
@@ -421,19 +480,21 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
 
     while True:
         Bn = pending.shape[0]
-        if chooser is not None:
-            k = chooser.choose(rows.index)
-            stats.k_per_loop.append(k)
         K = max(1, min(k, rows.max_remaining() - 1))  # no drafting past the end of every row
         if not drafter.can_draft:
             K = 0  # a feature draft before its first target features: this loop is one plain target step
 
-        # 1. Draft K tokens.
+        # 1. Draft up to K tokens (k="auto": the chooser may stop earlier).
         t = time.perf_counter()
+        confs = None
         if K:
-            p, drafts = drafter.propose(pending, pos, K, cfg, generator)  # (Bn, K, V), (Bn, K)
+            stop = chooser.stopper(rows.index, K) if chooser is not None else None
+            p, drafts, confs = drafter.propose(pending, pos, K, cfg, generator, stop)  # (Bn, K, V), (Bn, K)
+            K = drafts.shape[1]
         else:
             drafts = torch.zeros(Bn, 0, dtype=torch.long, device=dev)
+        if chooser is not None:
+            stats.k_per_loop.append(K)
         stats.draft_s += time.perf_counter() - t
         stats.draft_calls += K
 
@@ -467,7 +528,9 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             for a in n.tolist():
                 stats.record_row(a, K)
             if chooser is not None:
-                chooser.update(rows.index, n, K)
+                chooser.update(rows.index, n, K, confs, match.float() if cfg.greedy else
+                               (q[:, :K].gather(-1, drafts[..., None]) / p.gather(-1, drafts[..., None]))
+                               .squeeze(-1).clamp(max=1.0))
         n_list = n.tolist()
 
         # 4. Emit, honouring max_new_tokens and EOS per row.

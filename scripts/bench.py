@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("-k", type=int, default=4, help="K of Table 1")
     ap.add_argument("--k-sweep", type=int, nargs="+", default=list(range(0, 9)), help="Ks of Figure 1 (0 = ArS)")
     ap.add_argument("--k-auto", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run k=auto (K chosen per loop from the running acceptance and the measured c, v(K))")
+                    help="also run k=auto (drafting stops where the draft's confidence, the running acceptance "
+                         "and the measured c, v(K) say one more token does not pay)")
     ap.add_argument("--draft-vocab", type=int, default=0, help="prune the draft head to the N most frequent tokens")
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")

@@ -77,11 +77,12 @@ def target_sequences(q, prompt, budget, eos):
     return out
 
 
-def speculative_sequences(p, q, prompt, budget, k, eos, feature=False):
+def speculative_sequences(p, q, prompt, budget, k, eos, feature=False, stop=None):
     """The distribution the sampler induces, loop by loop, as `speculative_generate` runs it at batch 1.
     p(prefix) for an independent draft; for a feature draft (feature=True) p(verified, drafts), since its drafts
     depend on where the target's features end, and a one-token verified sequence (no features yet) makes that loop
-    one plain target step."""
+    one plain target step. stop(confs): k="auto"'s early end of drafting, given the draft's probability of each
+    token drafted so far."""
     out = defaultdict(float)
     p_at = p if feature else (lambda verified, drafts: p(verified + drafts))
 
@@ -103,15 +104,16 @@ def speculative_sequences(p, q, prompt, budget, k, eos, feature=False):
                     emit([y], prob * dist[y].item())
             return
 
-        def draft(drafts, w):
-            if len(drafts) < K:
+        def draft(drafts, w, confs=()):
+            ended = stop is not None and 0 < len(drafts) < K and stop(list(confs))
+            if len(drafts) < K and not ended:
                 dist = p_at(verified, drafts)
                 for x in range(V):
                     if dist[x] > 0:
-                        draft(drafts + [x], w * dist[x].item())
+                        draft(drafts + [x], w * dist[x].item(), (*confs, dist[x].item()))
                 return
             reach = w
-            for j in range(K):
+            for j in range(len(drafts)):
                 pj, qj = p_at(verified, drafts[:j]), q(verified + drafts[:j])
                 x = drafts[j]
                 a = rejection.acceptance_probability(pj[x], qj[x]).item()

@@ -1,11 +1,12 @@
-"""k="auto": K chosen before each loop from the running acceptance and the cost model; exact by construction."""
+"""k="auto": each loop drafts until the cost model says stop, from the draft's probabilities and the running
+acceptance; exact because the decision reads the draft's side only."""
 
 from collections import defaultdict
 
 import pytest
 import torch
 from conftest import tiny_llama
-from test_exactness import Dist, pair, pvalue, sample_counts, target_sequences  # noqa: F401  (pair: fixture)
+from test_exactness import Dist, pair, pvalue, sample_counts, speculative_sequences, target_sequences, tv  # noqa: F401  (pair: fixture)
 
 from sampling import autoregressive_generate, speculative_generate
 from sampling.probs import SamplingConfig
@@ -14,17 +15,68 @@ from sampling.speculative import KChooser
 CHEAP = {"c": 0.05, "v": {k: 1.0 + 0.02 * k for k in range(1, 9)}}
 
 
-def test_chooser_follows_the_speed_up_model():
+def drafted(chooser, rows, confs, bound=8):
+    """How many tokens the chooser lets the draft propose when its i-th token has probability confs[i]."""
+    stop = chooser.stopper(rows, bound)
+    for i in range(1, bound + 1):
+        if stop([torch.full((len(rows),), confs[min(i, len(confs)) - 1], dtype=torch.float64)
+                 for i in range(1, i + 1)]):
+            return i
+
+
+def test_chooser_stops_where_the_speed_up_model_says():
     t = tiny_llama()
+    rows = torch.arange(2)
     hi = KChooser(t, t, 2, 8, CHEAP, alpha_prior=0.9)
     lo = KChooser(t, t, 2, 8, {"c": 0.6, "v": CHEAP["v"]}, alpha_prior=0.2)
-    rows = torch.arange(2)
-    assert hi.choose(rows) >= 6 and lo.choose(rows) == 1
-    for _ in range(20):  # a row that keeps rejecting everything pulls K down
-        hi.update(rows, torch.zeros(2, dtype=torch.long), 4)
-    assert hi.choose(rows) <= 2
+    assert drafted(hi, rows, [0.5]) >= 6 and drafted(lo, rows, [0.5]) == 1
+    assert drafted(hi, rows, [0.5], bound=3) == 3
+    zeros, half = torch.zeros(2, dtype=torch.long), torch.full((2, 4), 0.5)
+    for _ in range(20):  # rows that keep rejecting everything pull K down
+        hi.update(rows, zeros, 4, half, torch.zeros(2, 4))
+    assert drafted(hi, rows, [0.5]) <= 2
     with pytest.raises(ValueError, match="alpha_prior"):
         KChooser(t, t, 1, 8, CHEAP, alpha_prior=1.5)
+
+
+def test_chooser_drafts_on_after_sure_tokens_and_stops_after_an_unsure_one():
+    """Calibrated on a draft whose sure tokens (p 0.95) are accepted and unsure ones (p 0.15) rejected."""
+    t = tiny_llama()
+    rows = torch.arange(2)
+    c = KChooser(t, t, 2, 8, CHEAP, alpha_prior=0.6)
+    for _ in range(10):
+        c.update(rows, torch.full((2,), 2), 4, torch.tensor([[0.95, 0.95, 0.15, 0.15]] * 2),
+                 torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 2))
+    assert drafted(c, rows, [0.95] * 8) == 8
+    assert drafted(c, rows, [0.95, 0.15]) == 2
+    assert drafted(c, rows, [0.15]) == 1
+
+
+def test_cost_model_gaps_are_interpolated():
+    """A bench sweep of K 1, 2, 4 gives v(1), v(2), v(4); k="auto" may still stop at 3."""
+    c = KChooser(tiny_llama(), None, 1, 8, {"c": 0.1, "v": {"1": 1.1, "2": 1.2, "4": 1.4}}, alpha_prior=0.5)
+    assert c.k_max == 4
+    assert torch.allclose(c.time, torch.tensor([1.0, 1.2, 1.4, 1.6, 1.8], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.8, 0, 0.9)])
+def test_a_stop_that_reads_the_drafted_tokens_keeps_the_output_exact(pair, setting):  # noqa: F811
+    """Enumerated: ending the drafting on the draft's own probabilities (as k="auto" does) changes only how many
+    tokens each loop proposes, never the distribution of what is emitted."""
+    target, draft = pair
+    cfg = SamplingConfig(*setting)
+    q, p = Dist(target, cfg), Dist(draft, cfg)
+    prompt, budget = [1, 3], 4
+    decisions = []
+
+    def stop(confs):  # stop after an unsure token, or after a sure first one: any rule of the draft's side
+        decisions.append(confs[-1] < 0.4 or (len(confs) == 1 and confs[0] > 0.8))
+        return decisions[-1]
+
+    want = target_sequences(q, prompt, budget, None)
+    got = speculative_sequences(p, q, prompt, budget, 3, None, stop=stop)
+    assert True in decisions and False in decisions
+    assert abs(sum(got.values()) - 1) < 1e-6 and tv(got, want) < 1e-6
 
 
 def test_auto_k_passes_chi_square(pair):  # noqa: F811
