@@ -162,6 +162,10 @@ def test_pruned_feature_head_batched_padded_greedy(monkeypatch):
     got = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=16, k=3, temperature=0,
                                eos_token_id=5)
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    auto = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=16, k="auto", k_max=4,
+                                cost={"c": 0.05, "v": {k: 1.0 for k in range(1, 5)}}, temperature=0, eos_token_id=5)
+    assert [t.tolist() for t in auto.tokens] == [t.tolist() for t in want.tokens]
+    assert len(set(auto.stats.k_per_loop)) > 1  # k="auto" ends some loops early: the head's K varies
     seen = []
     real = speculative.verify
     monkeypatch.setattr(speculative, "verify", lambda p, q, d, g=None: (seen.append(d.clone()), real(p, q, d, g))[1])
