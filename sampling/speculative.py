@@ -24,7 +24,7 @@ from sampling.cache import Decoder
 from sampling.compiled import StaticDecoder, check_compilable
 from sampling.feature import FeatureTap, is_feature_draft
 from sampling.probs import SamplingConfig, process_logits, sample
-from sampling.rejection import expected_acceptance, verify
+from sampling.rejection import acceptance_probability, expected_acceptance, verify
 from sampling.stats import GenerationStats
 
 
@@ -371,8 +371,6 @@ class KChooser:
 
         def stop(confs: list[torch.Tensor]) -> bool:
             i = len(confs)
-            if i >= bound:
-                return True
             pred = table[self._bins(torch.stack(confs, 1).cpu())]  # (B, i)
             prefix = pred.cumprod(1)
             more = (a ** torch.arange(1, bound - i + 1, dtype=torch.float64)).cumsum(1)  # (B, bound - i)
@@ -486,7 +484,6 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
 
         # 1. Draft up to K tokens (k="auto": the chooser may stop earlier).
         t = time.perf_counter()
-        confs = None
         if K:
             stop = chooser.stopper(rows.index, K) if chooser is not None else None
             p, drafts, confs = drafter.propose(pending, pos, K, cfg, generator, stop)  # (Bn, K, V), (Bn, K)
@@ -528,9 +525,8 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             for a in n.tolist():
                 stats.record_row(a, K)
             if chooser is not None:
-                chooser.update(rows.index, n, K, confs, match.float() if cfg.greedy else
-                               (q[:, :K].gather(-1, drafts[..., None]) / p.gather(-1, drafts[..., None]))
-                               .squeeze(-1).clamp(max=1.0))
+                chooser.update(rows.index, n, K, confs, match.float() if cfg.greedy else  # confs: p at the drafts
+                               acceptance_probability(confs, q[:, :K].gather(-1, drafts[..., None]).squeeze(-1)))
         n_list = n.tolist()
 
         # 4. Emit, honouring max_new_tokens and EOS per row.
