@@ -3,6 +3,15 @@
 Eager decoding pays per-operator overhead every step: compiled, a step fuses the small operators (norms, RoPE,
 activations, residual adds) around the matrix products. See `_step_fn` and docs/bench for what it measured.
 
+A model in bf16 or fp16 whose weights no optimiser updates (every parameter `requires_grad=False`: a loaded target
+or draft) is compiled with its weights frozen into the graph, and its products by inductor's C++ GEMM template
+where that wins at autotuning: on a CPU with AMX, the template's bf16 micro-kernels over weights packed once.
+Measured on the demo target in bf16 (AMX Xeon, 2 threads): a 1-token step 25-28 ms, against 48-57 ms compiled
+unfrozen and 48-64 ms eager; aten's own bf16 product of one row reads the weights at 6 GB/s there, the template's
+at 13. The price is compile time (~1.5 min a step shape here instead of 10-20 s) and a guard: the weights'
+identity and version are checked at every generation, and a frozen graph whose weights changed in place is thrown
+away and compiled again.
+
 A compiled graph is specialised to its shapes, so everything a step sees keeps one shape for the whole
 generation:
 - the KV cache is transformers' `StaticCache`, `capacity` slots long (a power of two of at least 512, so
@@ -21,6 +30,7 @@ on this CPU; `compile_report()` lists them). Prefill (one pass over the prompt) 
 from __future__ import annotations
 
 import time
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -33,6 +43,7 @@ from sampling.pruned import PrunedHeadDraft, PrunedOutput
 MIN_CAPACITY = 512  # capacities round up to a power of two, at least this: one graph serves most generations
 MAX_COMPILED_TOKENS = 16  # steps over more new tokens than this (prefill) run eagerly
 _REPORT: list[dict] = []  # one entry per (model, shape) compiled in this process
+_STEPPED = weakref.WeakSet()  # the models holding a compiled step
 
 
 def compile_report() -> list[dict]:
@@ -50,13 +61,43 @@ def check_compilable(model) -> None:
                          "layers, whose static cache cannot hold masked holes: drop compile")
 
 
+# inductor's settings for a model with frozen weights: the weights become constants of the graph (packed once for
+# the GEMM kernels) and each product's kernel is chosen by timing the C++ template against aten's (quietly: inductor
+# prints a table per product otherwise)
+FROZEN = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+          "autotune_num_choices_displayed": 0}
+
+
+# where freezing pays: half-precision weights, whose few-row products aten computes slowly on a CPU. fp32 keeps the
+# calibrated kernels of kernels.py traced into an unfrozen graph, which beat inductor's frozen products on AVX2
+FREEZE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _weights_key(model) -> tuple | None:
+    """None for a model whose graph keeps its weights as inputs: one an optimiser may update (some parameter
+    requires grad), on a GPU, or in fp32; else the identity and in-place version of every weight, which a frozen
+    graph has baked in."""
+    params = list(model.parameters())
+    if any(p.requires_grad or p.device.type != "cpu" or p.dtype not in FREEZE_DTYPES for p in params):
+        return None
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
 def _step_fn(model):
-    """The compiled forward of `model`, made once per model: tensors in, logits out (a pruned head's over its
-    subset). The weights stay inputs of the graph (no inductor freezing), so a draft validated between optimiser
-    steps is read as it is now; and the calibrated kernels of `kernels.py` are traced into it: measured on the
-    demo target (AVX2 EPYC, 2 threads), a 5-token step took 52-57 ms with them and 72-88 ms with inductor's own
-    (frozen, packed) products, a 1-token step 38-43 ms and 45-53 ms."""
+    """The compiled forward of `model`: tensors in, logits out (a pruned head's over its subset). Made once per
+    model and weights: a trained draft's weights stay inputs of the graph, so a draft validated between optimiser
+    steps is read as it is now, and the calibrated kernels of `kernels.py` are traced into it (measured on the demo
+    target, AVX2 EPYC, 2 threads: a 5-token step took 52-57 ms with them and 72-88 ms with inductor's own frozen,
+    packed products, a 1-token step 38-43 ms and 45-53 ms). Frozen weights are frozen into the graph (`FROZEN`)."""
+    key = _weights_key(model)
     step = model.__dict__.get("_draftsmith_step")
+    if step is not None and step.key != key:
+        # dynamo keys its graphs by code object and guards on the model's identity, not its numbers: a frozen graph
+        # would be found again with the old weights in it, so every graph goes, and each model compiles anew
+        torch._dynamo.reset()
+        for m in list(_STEPPED):
+            m.__dict__.pop("_draftsmith_step", None)
+        step = None
     if step is None:
         pruned = isinstance(model, PrunedHeadDraft)
 
@@ -69,8 +110,11 @@ def _step_fn(model):
         # K + 1 shapes and a draft's would pass the default limit of 8 and fall back to eager without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         step = torch.compile(forward, dynamic=False)
-        step.eager, step.shapes = forward, set()  # eager: the prefill, one pass whose shape never recurs
+        step.eager, step.shapes, step.key = forward, set(), key  # eager: the prefill, whose shape never recurs
+        # around each call, not as compile(options=): measured, inductor ignores `freezing` given as an option
+        step.config = {} if key is None else FROZEN
         model.__dict__["_draftsmith_step"] = step
+        _STEPPED.add(model)
     return step
 
 
@@ -78,6 +122,16 @@ def _wrap(model, logits):
     if isinstance(model, PrunedHeadDraft):
         return PrunedOutput(logits, model.token_ids, model.vocab)
     return SimpleNamespace(logits=logits)
+
+
+def _plain_inputs(cache: StaticCache) -> None:
+    """Untag the tensors a StaticCache tags as static addresses at its first write (for CUDA graphs): inductor's
+    freezing bakes tagged tensors into the graph like weights, so every later generation, with a new cache, read and
+    wrote the first one's (wrong logits, then an index past the cache's end)."""
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, layer.cumulative_length):
+            if hasattr(t, "_dynamo_static_input_type"):
+                del t._dynamo_static_input_type
 
 
 class StaticDecoder(Decoder):
@@ -130,6 +184,7 @@ class StaticDecoder(Decoder):
         keep = logits_to_keep or q
         if self.valid is None or q > MAX_COMPILED_TOKENS:  # prefill: once, eagerly, into the same cache
             logits = self.step.eager(full_tokens, full_pos, mask, self.cache, keep_index(keep, q, tokens.device))
+            _plain_inputs(self.cache)
         else:
             logits = self._compiled(full_tokens, full_pos, mask, keep)
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
@@ -138,7 +193,10 @@ class StaticDecoder(Decoder):
     def _compiled(self, tokens, positions, mask, keep):
         t = time.perf_counter()
         try:
-            logits = self.step(tokens, positions, mask, self.cache, keep)
+            import torch._inductor.config as inductor  # loaded by torch.compile anyway; not at import of sampling
+
+            with inductor.patch(self.step.config):
+                logits = self.step(tokens, positions, mask, self.cache, keep)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # ValueError: the CLIs print it in one line
             raise ValueError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "
                              "on a CPU inductor needs a working C++ compiler (g++): install one or drop compile") from e

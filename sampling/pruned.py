@@ -27,6 +27,7 @@ class PrunedHeadDraft(nn.Module):
         self.register_buffer("token_ids", token_ids.to(torch.long).sort().values, persistent=False)
         self.head = nn.Linear(head.weight.shape[1], len(token_ids), bias=False, dtype=head.weight.dtype)
         self.head.weight.data.copy_(head.weight.data[self.token_ids])
+        self.head.weight.requires_grad_(head.weight.requires_grad)  # a frozen draft's head stays frozen
         self.vocab = head.weight.shape[0]
 
     @property

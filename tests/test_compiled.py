@@ -40,9 +40,13 @@ def pvalue(counts, exact):
 
 
 @pytest.mark.slow
-def test_compiled_speculative_generate_passes_chi_square(pair, monkeypatch):
+@pytest.mark.parametrize("frozen", [False, True], ids=["inputs", "frozen"])
+def test_compiled_speculative_generate_passes_chi_square(pair, monkeypatch, frozen):
     """50k rows through compiled steps: holes compacted after every loop that leaves one, rows ending at EOS
-    kept in the static batch unread; the output is still exactly the target's distribution."""
+    kept in the static batch unread; the output is still exactly the target's distribution. Both graphs: weights
+    as inputs, and frozen into the graph with inductor's GEMM template."""
+    if frozen:
+        monkeypatch.setattr(compiled, "FREEZE_DTYPES", (torch.float32,))
     target, draft = pair
     pruned = PrunedHeadDraft(draft, torch.tensor([0, 1, 2, 3]))
     compactions, calls = [], []
@@ -58,16 +62,54 @@ def test_compiled_speculative_generate_passes_chi_square(pair, monkeypatch):
                                temperature=0.9, eos_token_id=eos, generator=g, compile=True)
     assert 0 < gen.stats.alpha < 1 and len(compactions) >= 4
     assert target in calls and pruned in calls  # both models ran their compiled steps
+    assert all((m.__dict__["_draftsmith_step"].key is not None) == frozen for m in (target, pruned))
     assert any(len(t) < budget for t in gen.tokens)  # some rows ended early at EOS
     shapes = {(r["model"], r["tokens"]) for r in compiled.compile_report()}
     assert ("LlamaForCausalLM (2 layers)", 2) in shapes and ("PrunedHeadDraft (1 layers)", 1) in shapes
     assert pvalue(counts_of(gen), exact) > 1e-3
 
 
-def test_compiled_steps_read_the_weights_as_they_are_now():
+@pytest.fixture
+def freeze_fp32(monkeypatch):
+    """The frozen path (inductor freezing + GEMM template, for bf16 weights) on fp32 models, whose rounding is
+    small enough for exact comparisons."""
+    monkeypatch.setattr(compiled, "FREEZE_DTYPES", (torch.float32,))
+
+
+def test_frozen_weights_are_frozen_only_in_half_precision():
+    model = tiny_llama(vocab=V, layers=1, hidden=16, seed=3)
+    assert compiled._weights_key(model) is None  # fp32: the calibrated kernels, weights as inputs
+    assert compiled._weights_key(model.to(torch.bfloat16)) is not None
+    assert compiled._weights_key(model.requires_grad_(True)) is None  # may be trained: never baked in
+
+
+def test_frozen_graphs_serve_every_generation(freeze_fp32):
+    """Each generation brings a new static cache; a frozen graph must read and write that one, not the cache it
+    was compiled with (StaticCache's tensors are tagged like weights). Greedy, compiled == eager, three times."""
+    from train.models import truncated_target
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=5, logit_scale=4.0)
+    draft = truncated_target(target, 1).requires_grad_(False)  # agrees sometimes
+    accepted = drafted = 0
+    g = torch.Generator().manual_seed(0)
+    for length in (5, 12, 7):
+        ids = torch.randint(0, 64, (1, length), generator=g)
+        eager = autoregressive_generate(target, ids, max_new_tokens=24, temperature=0).tokens[0].tolist()
+        ars = autoregressive_generate(target, ids, max_new_tokens=24, temperature=0, compile=True)
+        sps = speculative_generate(target, draft, ids, max_new_tokens=24, k=3, temperature=0, compile=True)
+        assert ars.tokens[0].tolist() == sps.tokens[0].tolist() == eager
+        accepted, drafted = accepted + sps.stats.accepted, drafted + sps.stats.drafted
+    assert 0 < accepted < drafted  # both branches of the loop ran
+    assert target.__dict__["_draftsmith_step"].key is not None and draft.__dict__["_draftsmith_step"].key is not None
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "frozen"])
+def test_compiled_steps_read_the_weights_as_they_are_now(trained, freeze_fp32):
     """A draft validated between optimiser steps is updated in place: its compiled step must not have the old
-    weights baked into its graph (inductor's freezing would)."""
-    model = tiny_llama(vocab=V, layers=1, hidden=16, seed=3).requires_grad_(True)
+    weights baked into its graph. A frozen model's graph has them baked in (inductor's freezing), so a change in
+    place must throw that graph away."""
+    model = tiny_llama(vocab=V, layers=1, hidden=16, seed=3).requires_grad_(trained)
+    assert (compiled._weights_key(model) is None) == trained
     ids = torch.tensor([[1, 2, 3, 4]])
 
     def last_logits():
