@@ -29,6 +29,8 @@ on this CPU; `compile_report()` lists them). Prefill (one pass over the prompt) 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 import weakref
 from types import SimpleNamespace
@@ -99,6 +101,8 @@ def _step_fn(model):
             m.__dict__.pop("_draftsmith_step", None)
         step = None
     if step is None:
+        import torch._inductor.config as inductor  # loaded by torch.compile anyway; not at import of sampling
+
         pruned = isinstance(model, PrunedHeadDraft)
 
         def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep: int):
@@ -112,7 +116,7 @@ def _step_fn(model):
         step = torch.compile(forward, dynamic=False)
         step.eager, step.shapes, step.key = forward, set(), key  # eager: the prefill, whose shape never recurs
         # around each call, not as compile(options=): measured, inductor ignores `freezing` given as an option
-        step.config = {} if key is None else FROZEN
+        step.settings = contextlib.nullcontext if key is None else functools.partial(inductor.patch, FROZEN)
         model.__dict__["_draftsmith_step"] = step
         _STEPPED.add(model)
     return step
@@ -193,9 +197,7 @@ class StaticDecoder(Decoder):
     def _compiled(self, tokens, positions, mask, keep):
         t = time.perf_counter()
         try:
-            import torch._inductor.config as inductor  # loaded by torch.compile anyway; not at import of sampling
-
-            with inductor.patch(self.step.config):
+            with self.step.settings():
                 logits = self.step(tokens, positions, mask, self.cache, keep)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # ValueError: the CLIs print it in one line
             raise ValueError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "

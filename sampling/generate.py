@@ -43,7 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--compile", action="store_true",
                     help="compiled static-shape decoding steps (torch.compile; each step shape compiles once: "
-                         "tens of seconds, ~2.5 min for a bf16 model, whose weights are frozen into the graph; it "
+                         "tens of seconds, ~1.5 min for a bf16 model, whose weights are frozen into the graph; it "
                          "pays on long or repeated generations)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--trust-remote-code", action="store_true",
