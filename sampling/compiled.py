@@ -200,8 +200,14 @@ class StaticDecoder(Decoder):
             with self.step.settings():
                 logits = self.step(tokens, positions, mask, self.cache, keep)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # ValueError: the CLIs print it in one line
+            # seen here: a process killed while g++ wrote a kernel leaves an empty .so in inductor's cache, and every
+            # later compile of that kernel loads it ("file too short")
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
             raise ValueError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "
-                             "on a CPU inductor needs a working C++ compiler (g++): install one or drop compile") from e
+                             "on a CPU inductor needs a working C++ compiler (g++) and an intact kernel cache: "
+                             f"install g++, or delete {cache_dir()} (a killed compile can leave a broken kernel "
+                             "there), or drop compile") from e
         if (tokens.shape, keep) not in self.step.shapes:  # the first call of a shape compiled it
             self.step.shapes.add((tokens.shape, keep))
             _REPORT.append({"model": f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers)",
