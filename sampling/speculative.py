@@ -15,7 +15,7 @@ ones and the fast causal path runs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -173,11 +173,15 @@ def autoregressive_generate(
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
     compile: bool = False,
+    on_logits: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> Generation:
     """Plain autoregressive sampling (ArS) from the target: the baseline SpS is measured against.
 
     attention_mask (optional, (B, T)) marks left padding in a batch of prompts of different lengths.
     compile: static-shape decoding steps compiled with torch.compile (`sampling/compiled.py`).
+    on_logits(rows, logits): called before each token is drawn with the input rows still decoding and their raw
+    logits (len(rows), V), the distribution that token comes from: a draft trained on these samples needs the
+    target's logits at exactly these positions, and recomputing them costs a teacher pass (`train/corpus.py`).
     """
     cfg = SamplingConfig(temperature, top_k, top_p)
     _check_inputs([target], input_ids, attention_mask, max_new_tokens)
@@ -191,6 +195,8 @@ def autoregressive_generate(
     stats.prefill_s = time.perf_counter() - t0
     stats.record_loop(0)
     while True:
+        if on_logits is not None:
+            on_logits(rows.index, out.logits[:, -1])
         _, tok = _next_token(out, cfg, generator)
         done, kept = rows.emit([[x] for x in tok.tolist()])
         stats.new_tokens += kept

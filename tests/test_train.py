@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -350,10 +351,14 @@ def test_ddp_two_processes_end_to_end(tmp_path):
     assert (tmp_path / "run" / "report.json").is_file()
 
 
-def test_smoke_run_on_a_target_generated_corpus(tmp_path):
+def test_smoke_run_on_a_target_generated_corpus(tmp_path, monkeypatch):
     """data=generated: the target samples continuations of corpus openings, the draft trains on them."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not continued from a cache
     out = tmp_path / "run"
     res = run_entry("recipe=smoke", "data=generated", "data.generated.n_prompts=40", "data.generated.max_new_tokens=48",
                     f"hydra.run.dir={out}", "logger=csv")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "report.json").is_file()
+    # recipe=smoke keeps the teacher's top-16: the target's sampling kept them, so no block waits for its pass
+    filled = re.search(r"(\d+) of (\d+) training blocks take the target's logits kept", res.stdout)
+    assert filled and int(filled[1]) > 0.8 * int(filled[2])

@@ -32,6 +32,9 @@ class CorpusError(ValueError):
     pass
 
 
+_STEP_BITS = 20  # a sampled position's pointer: row << 20 | step (a sample is far shorter than 2**20 tokens)
+
+
 def _documents(source: str, text_field: str, max_documents: int | None) -> list[str]:
     import datasets
 
@@ -101,13 +104,45 @@ def _fingerprint(source, tokenizer, *parts) -> str:
     return h.hexdigest()[:16]
 
 
+def sampled_rows(source: str) -> list[dict] | None:
+    """The rows of a `generate_corpus` file (a JSONL whose rows carry `ids`), else None: its tokens are taken as
+    sampled, not re-tokenized from text (decoding and encoding again need not give the same tokens, and the kept
+    logits belong to the sampled ones). Rows written before `ids` existed are tokenized from their text."""
+    path = Path(source).expanduser()
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except ValueError:
+        return None  # not ours: the datasets reader names the damage
+    return rows if any(isinstance(r, dict) and "ids" in r for r in rows) else None
+
+
+def _sampled_tokens(tokenizer, row: dict, r: int) -> tuple[list[int], list[int]]:
+    """A sample's tokens and, per position, a pointer (row << 20 | step) to the target's logits there, -1 where it
+    sampled nothing (the prompt, the seam after the sample; a row written before `ids` existed)."""
+    if "ids" not in row:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        return ids, [-1] * (len(ids) + 1)
+    ids, p = row["ids"], row["prompt_tokens"]
+    src = [-1] * (len(ids) + 1)  # + the EOS that ends the document
+    for step in range(len(ids) - p + int(row["eos"])):
+        if p - 1 + step >= 0:
+            src[p - 1 + step] = r << _STEP_BITS | step
+    return ids, src
+
+
 def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
                 text_field: str = "text", max_documents: int | None = None, min_val_blocks: int = 2,
                 min_train_blocks: int = 8) -> dict[str, torch.Tensor]:
-    """{'train': (N, block_size), 'val': (M, block_size)} LongTensors, cached under $DRAFTSMITH_HOME/corpus."""
+    """{'train': (N, block_size), 'val': (M, block_size)} LongTensors, cached under $DRAFTSMITH_HOME/corpus; for a
+    `generate_corpus` file also 'train_src' (N, block_size): where each position's kept target logits are
+    (`prefill_teacher`)."""
     if block_size < 2:
         raise CorpusError(f"data.block_size must be >= 2, got {block_size}")
-    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
+    rows = sampled_rows(source)
+    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents,
+                       *(["sampled"] if rows is not None else []))
     path = cache_home() / "corpus" / f"{key}.safetensors"
     if path.is_file():
         try:
@@ -117,7 +152,11 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
 
             warnings.warn(f"{path} is damaged ({type(e).__name__}): rebuilding it from {source}")
             path.unlink()
-    docs = _documents(source, text_field, max_documents)
+    if rows is None:
+        docs = _documents(source, text_field, max_documents)
+    else:
+        docs = [(r, row) for r, row in enumerate(rows[:max_documents] if max_documents else rows)
+                if row.get("text", "").strip() or row.get("ids")]
     if not docs:
         raise CorpusError(f"corpus {source} is empty")
     g = torch.Generator().manual_seed(seed)
@@ -126,13 +165,20 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     splits = {"val": [docs[i] for i in order[:n_val]], "train": [docs[i] for i in order[n_val:]]}
     eos = tokenizer.eos_token_id
     out = {}
-    for name, texts in splits.items():
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for name, items in splits.items():
+        if rows is None:
+            ids = tokenizer(items, add_special_tokens=False)["input_ids"] if items else []
+            src = None
+        else:
+            ids, src = zip(*(_sampled_tokens(tokenizer, row, r) for r, row in items)) if items else ((), ())
         flat = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
         n = len(flat) // block_size
         out[name] = flat[: n * block_size].view(n, block_size)
+        if src is not None and name == "train":
+            out["train_src"] = torch.tensor([s for doc in src for s in doc], dtype=torch.long)[: n * block_size].view(
+                n, block_size)
     if len(out["train"]) < min_train_blocks or len(out["val"]) < min_val_blocks:
-        total = sum(len(v) * block_size for v in out.values())
+        total = sum(len(out[k]) * block_size for k in ("train", "val"))
         raise CorpusError(f"corpus {source} is too small: {total} tokens make {len(out['train'])} train and "
                           f"{len(out['val'])} val blocks of {block_size}; need {min_train_blocks} and "
                           f"{min_val_blocks} (lower data.block_size or add text)")
@@ -165,15 +211,19 @@ def _complete_rows(path: Path, batch_size: int, total: int) -> int:
 
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
-                    seed: int = 0, progress: bool = True, max_seconds: float | None = None) -> Path:
-    """Sample continuations of `prompts` from the target into a JSONL file (field `text`); resumable: rows
+                    seed: int = 0, progress: bool = True, max_seconds: float | None = None,
+                    keep_logits: int = 0) -> Path:
+    """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
+    the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
     batch that crosses it (samples_per_prompt is then a ceiling: a fast CPU gets more data in the same time), and
-    a later call continues the file."""
+    a later call continues the file. With `keep_logits` = k, the target's top-k log-probabilities at every sampled
+    token are kept beside the file (`logits_dir`), so training needs no teacher pass over these samples."""
     from tqdm import tqdm
 
     from sampling import autoregressive_generate
     from train.evaluate import encode_batch
+    from train.teacher import top_logprobs
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,11 +238,24 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
             chunk = todo[start: start + batch_size]
             ids, mask = encode_batch(tokenizer, [p for _, p in chunk])
             g = torch.Generator().manual_seed(seed + done + start)
+            kept = []  # per step: (rows still decoding, their top-k log-probabilities, token ids)
+
+            def keep(rows, logits):
+                kept.append((rows.cpu(), *top_logprobs(logits.cpu(), keep_logits)))
+
             gen = autoregressive_generate(target, ids, attention_mask=mask,
                                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          eos_token_id=tokenizer.eos_token_id, generator=g)
-            for (_, prompt), toks in zip(chunk, gen.tokens):
-                f.write(json.dumps({"text": prompt + tokenizer.decode(toks, skip_special_tokens=True)}) + "\n")
+                                          eos_token_id=tokenizer.eos_token_id, generator=g,
+                                          on_logits=keep if keep_logits else None)
+            if keep_logits:  # before the rows: a row in the file always has its logits, a torn batch is redone
+                _write_logits(out_path, done + start, gen.tokens, kept)
+            for (_, prompt), row, m, toks in zip(chunk, ids, mask, gen.tokens):
+                toks = toks.tolist()
+                eos = bool(toks) and toks[-1] == tokenizer.eos_token_id
+                prompt_ids = row[m.bool()].tolist()
+                f.write(json.dumps({"text": prompt + tokenizer.decode(toks, skip_special_tokens=True),
+                                    "ids": prompt_ids + toks[: len(toks) - eos], "prompt_tokens": len(prompt_ids),
+                                    "eos": eos}) + "\n")
             f.flush()
             new_tokens += gen.stats.new_tokens
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tokens/s, batch {len(chunk)}")
@@ -204,3 +267,68 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                       "continues the cached file")
                 break
     return out_path
+
+
+def logits_dir(path: Path) -> Path:
+    """Where `generate_corpus` keeps the target's logits of a sample file: one safetensors file per batch."""
+    return path.with_name(path.name + ".logits")
+
+
+def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list) -> None:
+    """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (`tokens` is stored too,
+    so a reader can check that a file of logits belongs to the rows the JSONL holds now)."""
+    per_row = [[] for _ in tokens]
+    for rows, top, idx in kept:
+        for j, r in enumerate(rows.tolist()):
+            per_row[r].append((top[j], idx[j]))
+    k = kept[0][1].shape[-1]
+    values = torch.stack([v for row in per_row for v, _ in row]) if any(per_row) else torch.zeros(0, k).half()
+    index = torch.stack([i for row in per_row for _, i in row]) if any(per_row) else torch.zeros(0, k).int()
+    out = logits_dir(path) / f"{first_row:09d}.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    save_file({"values": values, "index": index, "steps": torch.tensor([len(t) for t in tokens]),
+               "tokens": torch.cat([t.cpu() for t in tokens]) if tokens else torch.zeros(0, dtype=torch.long)}, tmp)
+    os.replace(tmp, out)
+
+
+
+def sampled_logits(path: Path, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The target's kept logits of sample file `path` as (values (S, k), index (S, k), start (rows + 1,)): row r's
+    steps are values[start[r] + step]; start[r] = -1 for a row without them (sampled without `keep_logits`, or a
+    file of logits that does not match the row's tokens). None when there are none."""
+    files = sorted(logits_dir(path).glob("*.safetensors"))
+    if not files:
+        return None
+    start = torch.full((len(rows) + 1,), -1, dtype=torch.long)
+    values, index, offset = [], [], 0
+    for f in files:
+        part = load_file(f)
+        first, steps = int(f.stem), part["steps"]
+        if first + len(steps) > len(rows):
+            continue  # rows the JSONL no longer holds (a run cut short, then continued with another batch size)
+        at = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), steps]), 0)
+        for j, n in enumerate(steps.tolist()):
+            row = rows[first + j]
+            want = row.get("ids", [])[row.get("prompt_tokens", 0):] if "ids" in row else None
+            toks = part["tokens"][at[j]: at[j] + n].tolist()
+            if want is None or toks[: len(want)] != want or len(toks) - len(want) != int(row["eos"]):
+                continue
+            start[first + j] = offset + at[j]
+        values.append(part["values"])
+        index.append(part["index"])
+        offset += len(part["values"])
+    return torch.cat(values), torch.cat(index), start
+
+
+def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict]) -> int:
+    """Fill `cache` (train/teacher.py) with the target's logits kept as it sampled the corpus `path`, at the
+    label positions `src` points at (`load_blocks`' train_src). Returns the number of blocks filled."""
+    kept = sampled_logits(path, rows)
+    if kept is None:
+        return 0
+    values, index, start = kept
+    row, step = src >> _STEP_BITS, src & ((1 << _STEP_BITS) - 1)
+    base = start[row.clamp_min(0)]
+    at = torch.where((src >= 0) & (base >= 0), base + step, -1)
+    return cache.prefill(at, values, index)

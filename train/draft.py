@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import hydra
 import lightning as L
@@ -25,7 +26,7 @@ from sampling.models import ModelNotFound, cache_home, load_model, load_tokenize
 from sampling.precision import trainer_precision
 from sampling.pruned import top_tokens
 from train.callbacks import AcceptanceCallback
-from train.corpus import CorpusError, generate_corpus, load_blocks
+from train.corpus import CorpusError, generate_corpus, load_blocks, prefill_teacher, sampled_rows
 from train.feature import build_feature_draft
 from train.models import DraftConfig, build_draft
 from train.module import DraftModule
@@ -100,6 +101,10 @@ def train(cfg: DictConfig) -> dict:
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
                                  features=3 * target.config.hidden_size if feature else 0) if topk else None
+    if teacher_cache is not None and "train_src" in blocks and not feature:  # a feature draft needs features too
+        filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source))
+        print(f"draftsmith: {filled} of {len(blocks['train'])} training blocks take the target's logits kept as it "
+              "sampled them: no teacher pass over those", flush=True)
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                          on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache,
@@ -161,7 +166,8 @@ def _generated_corpus(cfg, target, tok, file_prompts):
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
-                           max_seconds=None if g.max_minutes is None else 60 * g.max_minutes)
+                           max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
+                           keep_logits=cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0)
 
 
 def _head_frequencies(cfg, draft_cfg, tok, token_counts: torch.Tensor) -> torch.Tensor:

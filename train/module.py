@@ -166,11 +166,29 @@ class DraftModule(L.LightningModule):
         if self.head_tokens is not None:
             labels = self._head_class[labels]
         tlogits = None if tlogits is None else tlogits.reshape(-1, V)
+        unknown = self._unknown(b, rows)
+        if unknown is not None and tlogits is not None:
+            # positions the target never sampled at (a prompt, the seam between samples) have no kept teacher: the
+            # draft's own detached logits stand in, so every divergence and its gradient is 0 there, and the
+            # batch keeps its shape (the compiled loss would recompile on every new count of kept positions)
+            tlogits = torch.where(unknown[:, None], logits.detach().to(tlogits.dtype), tlogits)
+            labels = labels.masked_fill(unknown, -100)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
             logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)
             tlogits = None if tlogits is None else tlogits.index_select(0, keep)
         return logits, tlogits, labels
+
+    def _unknown(self, b: Batch, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """(B (T-1),) bool: label positions of kept blocks that have no teacher (train/teacher.py `known`)."""
+        if self.teacher_cache is None or rows is None:
+            return None
+        known = self.teacher_cache.known_rows(rows[b.sampled:])
+        if known is None or bool(known.all()):
+            return None
+        unknown = torch.zeros(b.ids.shape[0], b.ids.shape[1] - 1, dtype=torch.bool)
+        unknown[b.sampled:] = ~known
+        return unknown.reshape(-1).to(self.device)
 
     def on_validation_epoch_end(self):
         self._t_last = None  # the next step's throughput must not include validation time

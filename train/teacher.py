@@ -16,6 +16,10 @@ A feature draft (EAGLE-3) also reads the target's hidden states at three layers:
 too (fp16; 3 x 576 values a position for the demo target, whose largest is ~25k), so its later epochs run without
 the target as well (EAGLE's offline mode): a feature step measured 5.3 s with the target's pass, 2.9 s without
 (4 x 256 tokens, AVX2, fp32).
+
+On the target's own samples even the first visit needs no pass: the target computed these logits when it sampled
+the corpus, and `generate_corpus` keeps them (`prefill`). Those blocks lack a teacher where the target sampled
+nothing (a prompt's tokens, the seam between two samples): `known` marks the positions that have one.
 """
 
 from __future__ import annotations
@@ -45,7 +49,29 @@ class TeacherCache:
         self.fill = torch.zeros(rows, positions, dtype=torch.float32)
         self.features = torch.zeros(rows, positions, features, dtype=torch.float16) if features else None
         self.filled = torch.zeros(rows, dtype=torch.bool)
+        self.known = None  # (rows, positions) bool once blocks are prefilled; None: every position of a filled block
         self.hits = self.misses = 0
+
+    def prefill(self, src: torch.Tensor, values: torch.Tensor, index: torch.Tensor, min_known: float = 0.5) -> int:
+        """Fill blocks from logits kept elsewhere (the target's, as it sampled the corpus). `src` (rows, >= positions)
+        points each label position at a row of `values` / `index` (the top-k log-probabilities and their token ids,
+        k >= this cache's, largest first), -1 where there is none. A block with fewer than `min_known` of its
+        positions pointed at is left to the teacher pass. Returns the number of blocks filled."""
+        if values.shape[-1] < self.k:
+            return 0
+        src = src[:, : self.values.shape[1]]
+        have = src >= 0
+        ok = have.float().mean(1) >= min_known
+        sel = have & ok[:, None]
+        at = src[sel]
+        top = values[at, : self.k]
+        self.values[sel], self.index[sel] = top, index[at, : self.k]
+        self.fill[sel] = _tail_fill(top, self.vocab, self.k)
+        if self.known is None:
+            self.known = self.filled[:, None].expand_as(have).clone()
+        self.known[ok] = have[ok]
+        self.filled |= ok
+        return int(ok.sum())
 
     def logits(self, rows: torch.Tensor, teacher) -> torch.Tensor:
         """(B, positions, V or N columns) float32 logits (log-probabilities) of the blocks `rows`; `teacher(mask)`
@@ -76,14 +102,30 @@ class TeacherCache:
                 raise ValueError("the target's features exceed float16's range (65504), so they cannot be kept: "
                                  "set loss.teacher_topk=0")
             self.features[rows] = half
-        logp = torch.log_softmax(logits.detach().float().cpu(), -1)  # in fp16 near 0, where the mass is
-        top, idx = logp.topk(self.k, dim=-1)
-        top = top.half()  # what is stored is what every visit uses, the first included
-        rest = (1.0 - top.float().exp().sum(-1)).clamp_min(1e-12)  # the tail's mass at T 1, over its V - k tokens
-        self.values[rows], self.index[rows] = top, idx.int()
-        self.fill[rows] = torch.log(rest) - math.log(self.vocab - self.k)
+        top, idx = top_logprobs(logits.detach().cpu(), self.k)
+        self.values[rows], self.index[rows] = top, idx
+        self.fill[rows] = _tail_fill(top, self.vocab, self.k)
         self.filled[rows] = True
+        if self.known is not None:
+            self.known[rows] = True
+
+    def known_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """(B, positions) bool: the label positions of blocks `rows` that have a teacher; None when all have."""
+        return None if self.known is None else self.known[rows.cpu()]
 
     @property
     def hit_rate(self) -> float:
         return self.hits / max(1, self.hits + self.misses)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probabilities (fp16: finest near 0, where the mass is) and their token ids (int32): what
+    is kept of a position's logits. What is stored is what every visit uses, the first included."""
+    top, idx = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    return top.half(), idx.int()
+
+
+def _tail_fill(top: torch.Tensor, vocab: int, k: int) -> torch.Tensor:
+    """The log-probability each of the V - k tokens not kept gets: their exact mass at T 1, spread evenly."""
+    rest = (1.0 - top.float().exp().sum(-1)).clamp_min(1e-12)
+    return torch.log(rest) - math.log(vocab - k)
