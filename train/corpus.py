@@ -140,9 +140,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     (`prefill_teacher`)."""
     if block_size < 2:
         raise CorpusError(f"data.block_size must be >= 2, got {block_size}")
-    rows = sampled_rows(source)
-    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents,
-                       *(["sampled"] if rows is not None else []))
+    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
     path = cache_home() / "corpus" / f"{key}.safetensors"
     if path.is_file():
         try:
@@ -152,6 +150,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
 
             warnings.warn(f"{path} is damaged ({type(e).__name__}): rebuilding it from {source}")
             path.unlink()
+    rows = sampled_rows(source)
     if rows is None:
         docs = _documents(source, text_field, max_documents)
     else:
@@ -275,22 +274,17 @@ def logits_dir(path: Path) -> Path:
 
 
 def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list) -> None:
-    """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (`tokens` is stored too,
-    so a reader can check that a file of logits belongs to the rows the JSONL holds now)."""
-    per_row = [[] for _ in tokens]
-    for rows, top, idx in kept:
-        for j, r in enumerate(rows.tolist()):
-            per_row[r].append((top[j], idx[j]))
-    k = kept[0][1].shape[-1]
-    values = torch.stack([v for row in per_row for v, _ in row]) if any(per_row) else torch.zeros(0, k).half()
-    index = torch.stack([i for row in per_row for _, i in row]) if any(per_row) else torch.zeros(0, k).int()
+    """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
+    each row's steps in the order they were drawn). `tokens` is stored too, so a reader can check that a file of
+    logits belongs to the rows the JSONL holds now."""
+    rows = torch.cat([r for r, _, _ in kept])
+    order = torch.sort(rows, stable=True).indices
     out = logits_dir(path) / f"{first_row:09d}.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    save_file({"values": values, "index": index, "steps": torch.tensor([len(t) for t in tokens]),
-               "tokens": torch.cat([t.cpu() for t in tokens]) if tokens else torch.zeros(0, dtype=torch.long)}, tmp)
+    save_file({"values": torch.cat([v for _, v, _ in kept])[order], "index": torch.cat([i for _, _, i in kept])[order],
+               "steps": torch.tensor([len(t) for t in tokens]), "tokens": torch.cat([t.cpu() for t in tokens])}, tmp)
     os.replace(tmp, out)
-
 
 
 def sampled_logits(path: Path, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -310,9 +304,11 @@ def sampled_logits(path: Path, rows: list[dict]) -> tuple[torch.Tensor, torch.Te
         at = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), steps]), 0)
         for j, n in enumerate(steps.tolist()):
             row = rows[first + j]
-            want = row.get("ids", [])[row.get("prompt_tokens", 0):] if "ids" in row else None
+            if "ids" not in row:
+                continue
+            want = row["ids"][row["prompt_tokens"]:]
             toks = part["tokens"][at[j]: at[j] + n].tolist()
-            if want is None or toks[: len(want)] != want or len(toks) - len(want) != int(row["eos"]):
+            if toks[: len(want)] != want or len(toks) - len(want) != int(row["eos"]):
                 continue
             start[first + j] = offset + at[j]
         values.append(part["values"])
