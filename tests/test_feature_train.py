@@ -1,6 +1,8 @@
 """Training the feature draft: the teacher pass is aligned, its acceptance metric equals a direct computation,
 the loss trains it towards the target, and the entry script runs it end to end (refusing what cannot work)."""
 
+import re
+
 import pytest
 import torch
 from conftest import run_entry, tiny_llama
@@ -47,8 +49,8 @@ def test_teacher_pass_alignment(pair):
     with torch.no_grad():
         q = target(input_ids=ids[:, :4]).logits[:, -1]  # the target's distribution of x_4
     assert torch.allclose(fb.teacher[:, 2], q, atol=1e-5)  # slot 2 predicts x_4
-    steps = unrolled(draft, fb, 3)
-    assert [len(s[0]) for s in steps] == [12, 10, 8]  # slots j >= s of 2 rows x 6
+    logits, teacher, labels, sizes = unrolled(draft, fb, 3)
+    assert sizes == [12, 10, 8] and len(logits) == len(teacher) == len(labels) == 30  # slots j >= s of 2 rows x 6
 
 
 def test_training_moves_the_draft_towards_the_target():
@@ -67,7 +69,7 @@ def test_training_moves_the_draft_towards_the_target():
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(60):
         fb = teacher_pass(target, draft.feature_layers, b)
-        logits, teacher, labels = (torch.cat(x) for x in zip(*unrolled(draft, fb, 3)))
+        logits, teacher, labels, _ = unrolled(draft, fb, 3)
         loss, _ = draft_loss(logits, labels, teacher, {"tv": 1.0, "forward_kl": 1.0}, 0.8, compile=False)
         opt.zero_grad()
         loss.backward()
@@ -102,15 +104,21 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row or a feature mixed up: far off
 
 
-def test_entry_trains_a_feature_draft(tmp_path):
+def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
+    """On the target's own samples (as recipe=feature_head): its logits and features kept as it sampled them fill
+    the teacher cache, so the first epoch runs no teacher pass over those blocks."""
     from sampling.feature import FeatureDraft
     from sampling.models import load_model
 
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not continued from a cache
     run = tmp_path / "run"
     r = run_entry("recipe=smoke", "draft=feature_head", "draft.draft_vocab=128", "draft.vocab_source=stdlib",
+                  "data=generated", "data.generated.n_prompts=40", "data.generated.max_new_tokens=48",
                   f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "feature draft: 1 layer" in r.stdout + r.stderr
+    filled = re.search(r"(\d+) of (\d+) training blocks take the target's logits and features kept", r.stdout)
+    assert filled and int(filled[1]) > 0.8 * int(filled[2])
     draft = load_model(str(run / "best_draft"))
     assert isinstance(draft, FeatureDraft)
 

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 
 from sampling import autoregressive_generate
-from train.corpus import _STEP_BITS, generate_corpus, load_blocks, prefill_teacher, sampled_logits, sampled_rows
+from train.corpus import _POS_BITS, generate_corpus, load_blocks, prefill_teacher, sampled_logits, sampled_rows
 from train.teacher import TeacherCache
 
 PROMPTS = ["def a():", "import os", "class B:", "x = 1", "for i in range(3):", "# hello"]
@@ -76,18 +76,22 @@ def test_kept_logits_land_where_their_token_is_the_label(tmp_path, tiny):
     eos = tok.eos_token_id
     checked = 0
     for b, t in known.nonzero().tolist():
-        r, step = int(src[b, t]) >> _STEP_BITS, int(src[b, t]) & ((1 << _STEP_BITS) - 1)
+        r, p = int(src[b, t]) >> _POS_BITS, int(src[b, t]) & ((1 << _POS_BITS) - 1)
         ids = rows[r]["ids"]
         lp, P = direct[r]
+        assert p >= P - 1  # the prompt's own tokens were never drawn
         label = int(blocks["train"][b, t + 1])
-        assert label == (ids[P + step] if P + step < len(ids) else eos)
-        if P - 1 + step < lp.shape[0]:
-            top, idx = lp[P - 1 + step].topk(8)
-            torch.testing.assert_close(cache.values[b, t].float(), top, atol=4e-3, rtol=0)
-            checked += 1
+        assert label == (ids[p + 1] if p + 1 < len(ids) else eos)
+        top, idx = lp[p].topk(8)
+        torch.testing.assert_close(cache.values[b, t].float(), top, atol=4e-3, rtol=0)
+        checked += 1
     assert checked > 100
-    # unknown where the target sampled nothing: a prompt's own tokens, the EOS seam after a capped sample
-    assert bool((src[~known & cache.filled[:, None]] < 0).all())
+    # unknown where the target sampled nothing: a prompt's own tokens, the seam after a sample, the last token of
+    # a sample cut at max_new_tokens (never fed back)
+    for b, t in (~known & cache.filled[:, None]).nonzero().tolist():
+        r, p = int(src[b, t]) >> _POS_BITS, int(src[b, t]) & ((1 << _POS_BITS) - 1)
+        row = rows[r] if src[b, t] >= 0 else None
+        assert row is None or p < row["prompt_tokens"] - 1 or (p == len(row["ids"]) - 1 and not row["eos"])
 
 
 def test_kept_logits_are_ignored_for_rows_they_do_not_match(tmp_path, tiny):
@@ -106,12 +110,12 @@ def test_kept_logits_are_ignored_for_rows_they_do_not_match(tmp_path, tiny):
     lines[0] = json.dumps({"text": old["text"]})  # a row from before `ids`: tokenized from its text
     path.write_text("\n".join(lines) + "\n")
     rows = sampled_rows(str(path))
-    _, _, start = sampled_logits(path, rows)
+    start = sampled_logits(path, rows).start
     assert start[:4].tolist()[:2] == [-1, -1] and start[2] >= 0 and start[3] == -1
     blocks = load_blocks(str(path), tok, 8, val_fraction=0.25, min_train_blocks=1, min_val_blocks=1)
     cache = TeacherCache(len(blocks["train"]), 7, 4, target.config.vocab_size)
     prefill_teacher(cache, blocks["train_src"], path, rows)
-    pointed = blocks["train_src"][:, :7][cache.known & cache.filled[:, None]] >> _STEP_BITS
+    pointed = blocks["train_src"][:, :7][cache.known & cache.filled[:, None]] >> _POS_BITS
     assert set(pointed.tolist()) == {2}  # only the row whose logits match
 
 
@@ -142,3 +146,82 @@ def test_positions_without_a_teacher_carry_no_loss():
     assert (labels[unknown] == -100).all() and (labels[~unknown] >= 0).all()
     torch.testing.assert_close(torch.log_softmax(tlogits[~unknown], -1), full.reshape(22, 32)[~unknown],
                                atol=2e-2, rtol=0)
+
+
+LAYERS = [0, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def kept_features(tmp_path_factory, tiny):
+    tok, target = tiny
+    path = tmp_path_factory.mktemp("kept") / "g.jsonl"
+    generate_corpus(target, tok, PROMPTS, path, samples_per_prompt=4, max_new_tokens=24, batch_size=4, progress=False,
+                    keep_logits=8, keep_features=LAYERS)
+    rows = sampled_rows(str(path))
+    blocks = load_blocks(str(path), tok, 16, val_fraction=0.2)
+    cache = TeacherCache(len(blocks["train"]), 15, 8, target.config.vocab_size, features=3 * target.config.hidden_size)
+    assert prefill_teacher(cache, blocks["train_src"], path, rows, LAYERS) == int(cache.filled.sum()) > 0
+    return path, rows, blocks, cache
+
+
+def test_kept_features_are_the_targets_hidden_states_at_each_position(tiny, kept_features):
+    """generate_corpus(keep_features) keeps, at every position the target ran on (the prompt's and each sampled
+    token's), the hidden states a teacher-forced pass over that sample alone gives there; only the seams and the last
+    token of a capped sample (never fed back) have none, and every position with a kept teacher has its feature."""
+    from sampling.feature import FeatureTap
+
+    tok, target = tiny
+    path, rows, blocks, cache = kept_features
+    direct = {}
+    for r, row in enumerate(rows):
+        with torch.no_grad(), FeatureTap(target, LAYERS) as tap:
+            target(input_ids=torch.tensor([row["ids"]]))
+            direct[r] = tap.take()[0]
+    src, kf = blocks["train_src"][:, :15], cache.known_features
+    checked = 0
+    for b, t in kf.nonzero().tolist():
+        r, p = int(src[b, t]) >> _POS_BITS, int(src[b, t]) & ((1 << _POS_BITS) - 1)
+        torch.testing.assert_close(cache.features[b, t].float(), direct[r][p], atol=1e-2, rtol=1e-2)
+        checked += 1
+    assert checked > 200 and bool((kf | ~cache.filled[:, None]).float().mean() > 0.8)
+    assert not bool((cache.known & ~kf).any())
+    for b, t in (~kf & cache.filled[:, None]).nonzero().tolist():
+        row = rows[int(src[b, t]) >> _POS_BITS] if src[b, t] >= 0 else None
+        assert row is None or (int(src[b, t]) & ((1 << _POS_BITS) - 1) == len(row["ids"]) - 1 and not row["eos"])
+    # other layers than the file kept: no features, so a feature draft's cache takes nothing; the logits still serve
+    # a draft that needs no features
+    H3 = 3 * target.config.hidden_size
+    other = TeacherCache(len(blocks["train"]), 15, 8, target.config.vocab_size, features=H3)
+    assert prefill_teacher(other, blocks["train_src"], path, rows, [1, 2, 3]) == 0
+    plain = TeacherCache(len(blocks["train"]), 15, 8, target.config.vocab_size)
+    assert prefill_teacher(plain, blocks["train_src"], path, rows) == int(cache.filled.sum())
+
+
+def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_features):
+    """A feature draft's step on kept blocks runs no target (it has none here); slots whose teacher or feature was
+    not kept carry no loss (the draft's own logits as teacher, label ignored), and what lies at a position without
+    a feature never reaches the slots that carry the loss."""
+    from train.feature import build_feature_draft
+    from train.module import DraftModule
+    from train.onpolicy import Batch
+
+    tok, target = tiny
+    path, rows, blocks, cache = kept_features
+    draft = build_feature_draft(target, LAYERS)
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1}, "compile": False}
+    module = DraftModule(draft, None, loss=loss, optim={"lr": 1e-2}, sampler={"temperature": 1.0}, max_steps=1,
+                         unroll=2, teacher_cache=cache)
+    sel = (cache.filled & ~cache.known_features.all(1)).nonzero().squeeze(1)[:4]
+    assert len(sel) > 0  # blocks with a seam inside
+    b = Batch(blocks["train"][sel])
+    logits, tlogits, labels = module._feature_logits(b, sel)
+    bad = labels == -100
+    assert 0 < int(bad.sum()) < len(labels) // 2
+    torch.testing.assert_close(tlogits[bad], logits[bad].detach())
+    saved = cache.features.clone()
+    hole = ~cache.known_features
+    cache.features[hole] = 1e3 * torch.randn(int(hole.sum()), cache.features.shape[-1]).half()
+    again, _, labels2 = module._feature_logits(b, sel)
+    cache.features.copy_(saved)
+    assert torch.equal(labels2, labels)
+    torch.testing.assert_close(again[~bad], logits[~bad], atol=1e-5, rtol=1e-5)

@@ -152,15 +152,15 @@ def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebui
     uninterrupted run builds; a cache file damaged on disk is rebuilt, not read."""
     import torch
 
-    from sampling.models import cache_home, load_tokenizer
-    from train.corpus import _fingerprint, load_blocks
+    from sampling.models import load_tokenizer
+    from train.corpus import blocks_cache, load_blocks
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(400):
         (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 200)
     tok = load_tokenizer("tiny-random")
-    cached = cache_home() / "corpus" / f"{_fingerprint(str(corpus), tok, 64, 0.03, 0, 'text', None)}.safetensors"
+    cached = blocks_cache(str(corpus), tok, 64)
     started = tmp_path / "started"
     proc = _start(TOKENIZE, corpus, started)
     t0 = [None]

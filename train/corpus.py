@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ class CorpusError(ValueError):
     pass
 
 
-_STEP_BITS = 20  # a sampled position's pointer: row << 20 | step (a sample is far shorter than 2**20 tokens)
+_POS_BITS = 20  # a sample's token's pointer: row << 20 | its position in the row (a row is far shorter than 2**20)
 
 
 def _documents(source: str, text_field: str, max_documents: int | None) -> list[str]:
@@ -119,17 +120,21 @@ def sampled_rows(source: str) -> list[dict] | None:
 
 
 def _sampled_tokens(tokenizer, row: dict, r: int) -> tuple[list[int], list[int]]:
-    """A sample's tokens and, per position, a pointer (row << 20 | step) to the target's logits there, -1 where it
-    sampled nothing (the prompt, the seam after the sample; a row written before `ids` existed)."""
+    """A sample's tokens and, per position, a pointer (row << 20 | position) to what the target kept there
+    (`prefill_teacher`), -1 at the EOS seam after the sample and for a row written before `ids` existed."""
     if "ids" not in row:
         ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
         return ids, [-1] * (len(ids) + 1)
-    ids, p = row["ids"], row["prompt_tokens"]
-    src = [-1] * (len(ids) + 1)  # + the EOS that ends the document
-    for step in range(len(ids) - p + int(row["eos"])):
-        if p - 1 + step >= 0:
-            src[p - 1 + step] = r << _STEP_BITS | step
-    return ids, src
+    ids = row["ids"]
+    return ids, [r << _POS_BITS | p for p in range(len(ids))] + [-1]  # + the EOS that ends the document
+
+
+def blocks_cache(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
+                 text_field: str = "text", max_documents: int | None = None) -> Path:
+    """Where `load_blocks` caches the blocks of these arguments (the corpus' files' sizes and times included)."""
+    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents,
+                       "row-positions")  # train_src's format: pointers to (row, position), not (row, step)
+    return cache_home() / "corpus" / f"{key}.safetensors"
 
 
 def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
@@ -140,8 +145,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     (`prefill_teacher`)."""
     if block_size < 2:
         raise CorpusError(f"data.block_size must be >= 2, got {block_size}")
-    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
-    path = cache_home() / "corpus" / f"{key}.safetensors"
+    path = blocks_cache(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
     if path.is_file():
         try:
             return load_file(path)
@@ -211,16 +215,22 @@ def _complete_rows(path: Path, batch_size: int, total: int) -> int:
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
                     seed: int = 0, progress: bool = True, max_seconds: float | None = None,
-                    keep_logits: int = 0) -> Path:
+                    keep_logits: int = 0, keep_features: list[int] | None = None) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
     the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
     batch that crosses it (samples_per_prompt is then a ceiling: a fast CPU gets more data in the same time), and
     a later call continues the file. With `keep_logits` = k, the target's top-k log-probabilities at every sampled
-    token are kept beside the file (`logits_dir`), so training needs no teacher pass over these samples."""
+    token are kept beside the file (`logits_dir`), so training needs no teacher pass over these samples; with
+    `keep_features` (a feature draft's target layers) also the hidden states entering them at every position the
+    target ran on (the prompt's and each sampled token's but the last): all a feature draft reads (EAGLE's offline
+    mode, at no extra target pass)."""
+    from contextlib import nullcontext
+
     from tqdm import tqdm
 
     from sampling import autoregressive_generate
+    from sampling.feature import FeatureTap
     from train.evaluate import encode_batch
     from train.teacher import top_logprobs
 
@@ -237,17 +247,25 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
             chunk = todo[start: start + batch_size]
             ids, mask = encode_batch(tokenizer, [p for _, p in chunk])
             g = torch.Generator().manual_seed(seed + done + start)
-            kept = []  # per step: (rows still decoding, their top-k log-probabilities, token ids)
+            kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
 
             def keep(rows, logits):
-                kept.append((rows.cpu(), *top_logprobs(logits.cpu(), keep_logits)))
+                step = (rows.cpu(), *top_logprobs(logits.cpu(), keep_logits))
+                if tap is not None:
+                    feats = tap.take()
+                    if not prompt_features:  # the prefill: every prompt position; its last is step 0's
+                        prompt_features.append(feats[:, :-1].cpu())
+                    step += (_half(feats[:, -1]),)
+                kept.append(step)
 
-            gen = autoregressive_generate(target, ids, attention_mask=mask,
-                                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          eos_token_id=tokenizer.eos_token_id, generator=g,
-                                          on_logits=keep if keep_logits else None)
+            with FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:
+                gen = autoregressive_generate(target, ids, attention_mask=mask,
+                                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                              eos_token_id=tokenizer.eos_token_id, generator=g,
+                                              on_logits=keep if keep_logits else None)
             if keep_logits:  # before the rows: a row in the file always has its logits, a torn batch is redone
-                _write_logits(out_path, done + start, gen.tokens, kept)
+                prefill = None if tap is None else (prompt_features[0], mask, keep_features)
+                _write_logits(out_path, done + start, gen.tokens, kept, prefill)
             for (_, prompt), row, m, toks in zip(chunk, ids, mask, gen.tokens):
                 toks = toks.tolist()
                 eos = bool(toks) and toks[-1] == tokenizer.eos_token_id
@@ -273,58 +291,108 @@ def logits_dir(path: Path) -> Path:
     return path.with_name(path.name + ".logits")
 
 
-def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list) -> None:
+def _half(x: torch.Tensor) -> torch.Tensor:
+    x = x.cpu().half()
+    if not bool(torch.isfinite(x).all()):
+        raise CorpusError("the target's features exceed float16's range (65504), so they cannot be kept: set "
+                          "loss.teacher_topk=0")
+    return x
+
+
+def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list, prefill=None) -> None:
     """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
     each row's steps in the order they were drawn). `tokens` is stored too, so a reader can check that a file of
-    logits belongs to the rows the JSONL holds now."""
-    rows = torch.cat([r for r, _, _ in kept])
+    logits belongs to the rows the JSONL holds now. With `prefill` = (the prefill's features (B, P - 1, F), the
+    left-padded prompt mask, the layers), `features` holds each row's features by position: its prompt's but the
+    last, then one per step."""
+    rows = torch.cat([r for r, *_ in kept])
     order = torch.sort(rows, stable=True).indices
-    out = logits_dir(path) / f"{first_row:09d}.safetensors"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    save_file({"values": torch.cat([v for _, v, _ in kept])[order], "index": torch.cat([i for _, _, i in kept])[order],
-               "steps": torch.tensor([len(t) for t in tokens]), "tokens": torch.cat([t.cpu() for t in tokens])}, tmp)
-    os.replace(tmp, out)
+    out = {"values": torch.cat([v for _, v, *_ in kept])[order], "index": torch.cat([i for _, _, i, *_ in kept])[order],
+           "steps": torch.tensor([len(t) for t in tokens]), "tokens": torch.cat([t.cpu() for t in tokens])}
+    if prefill is not None:
+        feats, mask, layers = prefill
+        steps = torch.cat([f for *_, f in kept])[order].split(out["steps"].tolist())
+        lens = mask.sum(1).tolist()
+        per_row = [torch.cat([_half(p[p.shape[0] - n + 1:]), s]) for p, n, s in zip(feats, lens, steps)]
+        out["features"], out["positions"] = torch.cat(per_row), torch.tensor([len(f) for f in per_row])
+        out["layers"] = torch.tensor(layers)
+    dest = logits_dir(path) / f"{first_row:09d}.safetensors"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(f".tmp{os.getpid()}")
+    save_file(out, tmp)
+    os.replace(tmp, dest)
 
 
-def sampled_logits(path: Path, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The target's kept logits of sample file `path` as (values (S, k), index (S, k), start (rows + 1,)): row r's
-    steps are values[start[r] + step]; start[r] = -1 for a row without them (sampled without `keep_logits`, or a
-    file of logits that does not match the row's tokens). None when there are none."""
+@dataclass
+class Kept:
+    """What `generate_corpus` kept of a sample file: row r's step t is `values[start[r] + t]` (top-k log-probabilities,
+    with their token ids in `index`), and with `features`, its position p is `features[feature_start[r] + p]`;
+    a start of -1 for a row without them (sampled without keeping them, another feature layer choice, or a file of
+    logits that does not match the row's tokens)."""
+
+    values: torch.Tensor
+    index: torch.Tensor
+    start: torch.Tensor
+    features: torch.Tensor | None = None
+    feature_start: torch.Tensor | None = None
+
+
+def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None) -> Kept | None:
+    """The target's logits kept beside sample file `path` (and, with `layers`, its features at those layers);
+    None when there are none."""
     files = sorted(logits_dir(path).glob("*.safetensors"))
     if not files:
         return None
     start = torch.full((len(rows) + 1,), -1, dtype=torch.long)
-    values, index, offset = [], [], 0
+    fstart = start.clone()
+    values, index, features, offset, foffset = [], [], [], 0, 0
     for f in files:
         part = load_file(f)
         first, steps = int(f.stem), part["steps"]
         if first + len(steps) > len(rows):
             continue  # rows the JSONL no longer holds (a run cut short, then continued with another batch size)
         at = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), steps]), 0)
+        has_features = layers is not None and "features" in part and part["layers"].tolist() == list(layers)
+        fat = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), part["positions"]]), 0) if has_features else 0
         for j, n in enumerate(steps.tolist()):
             row = rows[first + j]
             if "ids" not in row:
                 continue
             want = row["ids"][row["prompt_tokens"]:]
             toks = part["tokens"][at[j]: at[j] + n].tolist()
-            if toks[: len(want)] != want or len(toks) - len(want) != int(row["eos"]):
-                continue
-            start[first + j] = offset + at[j]
+            if toks[: len(want)] == want and len(toks) - len(want) == int(row["eos"]):
+                start[first + j] = offset + at[j]
+                if has_features and part["positions"][j] == row["prompt_tokens"] - 1 + n:
+                    fstart[first + j] = foffset + fat[j]
         values.append(part["values"])
         index.append(part["index"])
         offset += len(part["values"])
-    return torch.cat(values), torch.cat(index), start
+        if has_features:
+            features.append(part["features"])
+            foffset += len(part["features"])
+    return Kept(torch.cat(values), torch.cat(index), start, torch.cat(features) if features else None,
+                fstart if features else None)
 
 
-def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict]) -> int:
-    """Fill `cache` (train/teacher.py) with the target's logits kept as it sampled the corpus `path`, at the
-    label positions `src` points at (`load_blocks`' train_src). Returns the number of blocks filled."""
-    kept = sampled_logits(path, rows)
+def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None) -> int:
+    """Fill `cache` (train/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
+    `src` points at (`load_blocks`' train_src): its logits where it sampled a token, and with `layers` its features
+    wherever it ran. Returns the number of blocks filled."""
+    kept = sampled_logits(path, rows, layers)
     if kept is None:
         return 0
-    values, index, start = kept
-    row, step = src >> _STEP_BITS, src & ((1 << _STEP_BITS) - 1)
-    base = start[row.clamp_min(0)]
-    at = torch.where((src >= 0) & (base >= 0), base + step, -1)
-    return cache.prefill(at, values, index)
+    ok = src >= 0
+    row, pos = torch.where(ok, src >> _POS_BITS, len(rows)), src & ((1 << _POS_BITS) - 1)
+    prompt = torch.tensor([r.get("prompt_tokens", 0) for r in rows] + [0])[row]
+    steps = torch.tensor([len(r["ids"]) - r["prompt_tokens"] + int(r["eos"]) if "ids" in r else 0 for r in rows]
+                         + [0])[row]
+    step = pos - (prompt - 1)  # the token at position p was fed at step p - (P - 1) and its logits drawn then
+    base = kept.start[row]
+    at = torch.where(ok & (base >= 0) & (step >= 0) & (step < steps), base + step, -1)
+    if layers is None:
+        return cache.prefill(at, kept.values, kept.index)
+    if kept.features is None:
+        return 0
+    fbase = kept.feature_start[row]
+    fat = torch.where(ok & (fbase >= 0) & (step < steps), fbase + pos, -1)
+    return cache.prefill(at, kept.values, kept.index, feature_at=fat, features=kept.features)

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from sampling.feature import FeatureConfig
 from sampling.models import ModelNotFound, cache_home, load_model, load_tokenizer
 from sampling.precision import trainer_precision
 from sampling.pruned import top_tokens
@@ -101,9 +102,11 @@ def train(cfg: DictConfig) -> dict:
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
                                  features=3 * target.config.hidden_size if feature else 0) if topk else None
-    if teacher_cache is not None and "train_src" in blocks and not feature:  # a feature draft needs features too
-        filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source))
-        print(f"draftsmith: {filled} of {len(blocks['train'])} training blocks take the target's logits kept as it "
+    if teacher_cache is not None and "train_src" in blocks:
+        filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source),
+                                 draft.feature_layers if feature else None)
+        what = "logits and features" if feature else "logits"
+        print(f"draftsmith: {filled} of {len(blocks['train'])} training blocks take the target's {what} kept as it "
               "sampled them: no teacher pass over those", flush=True)
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
@@ -156,6 +159,7 @@ def _generated_corpus(cfg, target, tok, file_prompts):
         prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
     else:
         prompts = file_prompts[: g.n_prompts]
+    keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
     s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable), and the
     # prompts file's text itself: an edited file must not continue the samples of the old one
     origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
@@ -167,7 +171,14 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
-                           keep_logits=cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0)
+                           keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None)
+
+
+def _feature_layers(cfg, target) -> list[int] | None:
+    """A feature draft's target layers (what its corpus keeps besides the logits); None for an independent draft."""
+    if cfg.draft.get("kind") != "feature_head":
+        return None
+    return FeatureConfig.for_target(target.config, cfg.draft.get("feature_layers")).feature_layers
 
 
 def _head_frequencies(cfg, draft_cfg, tok, token_counts: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class FeatureBatch:
     teacher: torch.Tensor
     labels: torch.Tensor
     keep: torch.Tensor
+    known: torch.Tensor | None = None  # (B, T-2): slots whose feature and teacher were kept (None: all)
+    rooted: torch.Tensor | None = None  # (B, T-2): slots whose feature was kept (None: all)
 
 
 def target_outputs(target, layers: list[int], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +76,12 @@ def teacher_pass(target, layers: list[int], b: Batch) -> FeatureBatch:
     return feature_batch(b, *target_outputs(target, layers, b))
 
 
-def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor) -> FeatureBatch:
+def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor, known: torch.Tensor | None = None,
+                  known_features: torch.Tensor | None = None) -> FeatureBatch:
     """The draft's slots from the target's outputs on `b` (fresh from `target_outputs`, or kept: train/teacher.py);
-    `logits` may already be over a pruned head's tokens only."""
+    `logits` may already be over a pruned head's tokens only. Kept outputs may lack a teacher or a feature at some
+    positions (`known`, `known_features`, (B, T-1)): slots there carry no loss, and a slot without its feature is
+    hidden from the others' attention, as padding is (the sampler never drafts from a position the target skipped)."""
     T = b.ids.shape[1]
     pos = b.positions()
     if pos is None:
@@ -84,15 +89,23 @@ def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor) -> Featur
     keep = torch.ones(b.ids.shape[0], T - 2, dtype=torch.bool, device=b.ids.device)
     if b.loss_mask is not None:
         keep = b.loss_mask[:, 1:]  # the label of slot j is x_{j+2}: loss_mask index j+1
-    return FeatureBatch(tokens=b.ids[:, 1:-1], features=feats[:, :-1], positions=pos[:, : T - 2],
-                        mask=None if b.mask is None else b.mask[:, : T - 2], teacher=logits[:, 1:],
-                        labels=b.ids[:, 2:], keep=keep)
+    mask = None if b.mask is None else b.mask[:, : T - 2]
+    ok = rooted = None
+    if known is not None or known_features is not None:
+        dev = b.ids.device
+        rooted = torch.ones_like(keep) if known_features is None else known_features[:, : T - 2].to(dev)
+        ok = rooted & (True if known is None else known[:, 1:].to(dev))
+        mask = rooted if mask is None else mask.bool() & rooted
+    return FeatureBatch(tokens=b.ids[:, 1:-1], features=feats[:, :-1], positions=pos[:, : T - 2], mask=mask,
+                        teacher=logits[:, 1:], labels=b.ids[:, 2:], keep=keep, known=ok, rooted=rooted)
 
 
 def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
-    """[(draft logits (N_s, n), teacher logits (N_s, n), labels (N_s,)) per step]: only slots with a real label
-    and a history of s own steps (j >= s); over the head's n tokens when it is pruned (labels outside: -100,
-    ignored by cross-entropy; the teacher renormalised over them, as EAGLE-3 trains its reduced vocabulary).
+    """(draft logits (N, n), teacher logits (N, n), labels (N,), [N_s per step]): the slots of every step, step by
+    step; only slots with a real label and a history of s own steps (j >= s); over the head's n tokens when it is
+    pruned (labels outside: -100, ignored by cross-entropy; the teacher renormalised over them, as EAGLE-3 trains
+    its reduced vocabulary). One head call and one gather of the teacher for all steps: copying (N, n) tensors
+    step by step and concatenating them took 60% of a kept-teacher step (AMX Xeon, bf16), more than the head.
 
     Restricting only the loss to frequent tokens while keeping a full head is a trap, measured: the 41k logits
     the loss never saw kept 62% of the draft's mass, val/alpha_on_target 0.087 against 0.21 on training batches."""
@@ -106,13 +119,25 @@ def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
     teacher = fb.teacher  # kept logits come over the head's tokens already; fresh ones once, not per step
     if vocab is not None and teacher.shape[-1] != len(vocab):
         teacher = teacher[..., vocab]
-    teacher, labels = teacher.reshape(-1, teacher.shape[-1]), labels.reshape(-1)
-    res = []
-    for s, h in enumerate(outs):
-        idx = _slots(fb.keep, s)
-        hidden = h.reshape(-1, h.shape[-1]).index_select(0, idx)
-        res.append((draft.lm_head(draft.norm(hidden)), teacher.index_select(0, idx), labels[idx]))
-    return res
+    idx = [_slots(fb.keep, s) for s in range(steps)]
+    hidden = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, i) for h, i in zip(outs, idx)])
+    lp = draft.lm_head(draft.norm(hidden))
+    flat = torch.cat(idx)
+    slots = teacher.shape[1]
+    lq, lab = teacher[flat // slots, flat % slots], labels.reshape(-1)[flat]
+    if fb.known is not None:
+        # step s at slot j drafts on from the features at j - s .. j; where the target kept no teacher or one of
+        # them, the draft's own detached logits stand in (divergence and gradient 0) and the label is ignored, so
+        # the batch keeps its shape (the compiled loss would recompile on every new count of slots)
+        ok, good = fb.known.clone(), []
+        for s, i in enumerate(idx):
+            if s:
+                ok[:, s:] &= fb.rooted[:, : ok.shape[1] - s]
+            good.append(ok.reshape(-1)[i])
+        bad = (~torch.cat(good)).nonzero().squeeze(1)
+        lq[bad] = lp.detach()[bad].to(lq.dtype)
+        lab[bad] = -100
+    return lp, lq, lab, [len(i) for i in idx]
 
 
 @torch.no_grad()
@@ -122,7 +147,8 @@ def feature_alpha(target, draft: FeatureDraft, b: Batch, cfg: SamplingConfig, st
     head) on the positions of `b`: what the sampler meets at draft positions 1..K when the earlier drafts match."""
     fb = teacher_pass(target, draft.feature_layers, b)
     out = []
-    for s, (lp, _, _) in enumerate(unrolled(draft, fb, steps)):
+    logits, _, _, sizes = unrolled(draft, fb, steps)
+    for s, lp in enumerate(logits.split(sizes)):
         lq = _full_teacher(fb, s)
         acc = []
         for i in range(0, len(lp), chunk):

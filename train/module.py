@@ -151,11 +151,12 @@ class DraftModule(L.LightningModule):
         every step), all steps in one loss call (equal weights)."""
         layers = self.draft.feature_layers
         if self._kept(b, rows):
-            fb = feature_batch(b, *self._kept_outputs(b, rows, lambda sub: target_outputs(self.target, layers, sub)))
+            cache = self.teacher_cache
+            fb = feature_batch(b, *self._kept_outputs(b, rows, lambda sub: target_outputs(self.target, layers, sub)),
+                               cache.known_rows(rows), cache.known_feature_rows(rows))
         else:
             fb = teacher_pass(self.target, layers, b)
-        steps = unrolled(self.draft, fb, self.unroll)
-        logits, tlogits, labels = (torch.cat(x) for x in zip(*steps))
+        logits, tlogits, labels, _ = unrolled(self.draft, fb, self.unroll)
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
 
     def _draft_logits(self, b: Batch, rows: torch.Tensor | None = None):
@@ -171,7 +172,9 @@ class DraftModule(L.LightningModule):
             # positions the target never sampled at (a prompt, the seam between samples) have no kept teacher: the
             # draft's own detached logits stand in, so every divergence and its gradient is 0 there, and the
             # batch keeps its shape (the compiled loss would recompile on every new count of kept positions)
-            tlogits = torch.where(unknown[:, None], logits.detach().to(tlogits.dtype), tlogits)
+            # (in place, on those rows only: a where over all of them copied two (N, V) tensors every step)
+            at = unknown.nonzero().squeeze(1)
+            tlogits[at] = logits.detach()[at].to(tlogits.dtype)
             labels = labels.masked_fill(unknown, -100)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)

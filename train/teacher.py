@@ -15,11 +15,12 @@ visit it is.
 A feature draft (EAGLE-3) also reads the target's hidden states at three layers: with `features` they are kept
 too (fp16; 3 x 576 values a position for the demo target, whose largest is ~25k), so its later epochs run without
 the target as well (EAGLE's offline mode): a feature step measured 5.3 s with the target's pass, 2.9 s without
-(4 x 256 tokens, AVX2, fp32).
+(4 x 256 tokens, AVX2, fp32); 1.9-2.2 s and 1.3-1.5 s on an AMX Xeon in bf16.
 
-On the target's own samples even the first visit needs no pass: the target computed these logits when it sampled
-the corpus, and `generate_corpus` keeps them (`prefill`). Those blocks lack a teacher where the target sampled
-nothing (a prompt's tokens, the seam between two samples): `known` marks the positions that have one.
+On the target's own samples even the first visit needs no pass: the target computed these logits (and features)
+when it sampled the corpus, and `generate_corpus` keeps them (`prefill`). Those blocks lack a teacher where the
+target sampled nothing (a prompt's tokens, the seam between two samples), and features where it never ran (the
+seam): `known` and `known_features` mark the positions that have them.
 """
 
 from __future__ import annotations
@@ -50,18 +51,31 @@ class TeacherCache:
         self.features = torch.zeros(rows, positions, features, dtype=torch.float16) if features else None
         self.filled = torch.zeros(rows, dtype=torch.bool)
         self.known = None  # (rows, positions) bool once blocks are prefilled; None: every position of a filled block
+        self.known_features = None  # the same for features
         self.hits = self.misses = 0
 
-    def prefill(self, src: torch.Tensor, values: torch.Tensor, index: torch.Tensor, min_known: float = 0.5) -> int:
+    def prefill(self, src: torch.Tensor, values: torch.Tensor, index: torch.Tensor, min_known: float = 0.5,
+                feature_at: torch.Tensor | None = None, features: torch.Tensor | None = None) -> int:
         """Fill blocks from logits kept elsewhere (the target's, as it sampled the corpus). `src` (rows, >= positions)
         points each label position at a row of `values` / `index` (the top-k log-probabilities and their token ids,
-        k >= this cache's, largest first), -1 where there is none. A block with fewer than `min_known` of its
-        positions pointed at is left to the teacher pass. Returns the number of blocks filled."""
-        if values.shape[-1] < self.k:
+        k >= this cache's, largest first), -1 where there is none; a cache that keeps features needs them as well
+        (`feature_at` into `features`). A block with fewer than `min_known` of its positions pointed at is left to
+        the teacher pass. Returns the number of blocks filled."""
+        if values.shape[-1] < self.k or (self.features is not None and features is None):
             return 0
-        src = src[:, : self.values.shape[1]]
+        P = self.values.shape[1]
+        src = src[:, :P]
         have = src >= 0
         ok = have.float().mean(1) >= min_known
+        if self.features is not None:
+            feature_at = feature_at[:, :P]
+            fhave = feature_at >= 0
+            ok &= fhave.float().mean(1) >= min_known
+            fsel = fhave & ok[:, None]
+            self.features[fsel] = features[feature_at[fsel]]
+            if self.known_features is None:
+                self.known_features = self.filled[:, None].expand_as(fhave).clone()
+            self.known_features[ok] = fhave[ok]
         sel = have & ok[:, None]
         at = src[sel]
         top = values[at, : self.k]
@@ -108,10 +122,16 @@ class TeacherCache:
         self.filled[rows] = True
         if self.known is not None:
             self.known[rows] = True
+        if self.known_features is not None:
+            self.known_features[rows] = True
 
     def known_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
         """(B, positions) bool: the label positions of blocks `rows` that have a teacher; None when all have."""
         return None if self.known is None else self.known[rows.cpu()]
+
+    def known_feature_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """(B, positions) bool: the positions of blocks `rows` that have the target's features; None when all have."""
+        return None if self.known_features is None else self.known_features[rows.cpu()]
 
     @property
     def hit_rate(self) -> float:
