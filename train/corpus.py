@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sampling.models import cache_home, stdlib_sources
+from train.teacher import half_features, top_logprobs
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -232,7 +233,6 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     from sampling import autoregressive_generate
     from sampling.feature import FeatureTap
     from train.evaluate import encode_batch
-    from train.teacher import top_logprobs
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +255,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     feats = tap.take()
                     if not prompt_features:  # the prefill: every prompt position; its last is step 0's
                         prompt_features.append(feats[:, :-1].cpu())
-                    step += (_half(feats[:, -1]),)
+                    step += (half_features(feats[:, -1]),)
                 kept.append(step)
 
             with FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:
@@ -291,14 +291,6 @@ def logits_dir(path: Path) -> Path:
     return path.with_name(path.name + ".logits")
 
 
-def _half(x: torch.Tensor) -> torch.Tensor:
-    x = x.cpu().half()
-    if not bool(torch.isfinite(x).all()):
-        raise CorpusError("the target's features exceed float16's range (65504), so they cannot be kept: set "
-                          "loss.teacher_topk=0")
-    return x
-
-
 def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list, prefill=None) -> None:
     """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
     each row's steps in the order they were drawn). `tokens` is stored too, so a reader can check that a file of
@@ -313,7 +305,7 @@ def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: 
         feats, mask, layers = prefill
         steps = torch.cat([f for *_, f in kept])[order].split(out["steps"].tolist())
         lens = mask.sum(1).tolist()
-        per_row = [torch.cat([_half(p[p.shape[0] - n + 1:]), s]) for p, n, s in zip(feats, lens, steps)]
+        per_row = [torch.cat([half_features(p[p.shape[0] - n + 1:]), s]) for p, n, s in zip(feats, lens, steps)]
         out["features"], out["positions"] = torch.cat(per_row), torch.tensor([len(f) for f in per_row])
         out["layers"] = torch.tensor(layers)
     dest = logits_dir(path) / f"{first_row:09d}.safetensors"

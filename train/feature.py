@@ -94,7 +94,7 @@ def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor, known: to
     if known is not None or known_features is not None:
         dev = b.ids.device
         rooted = torch.ones_like(keep) if known_features is None else known_features[:, : T - 2].to(dev)
-        ok = rooted & (True if known is None else known[:, 1:].to(dev))
+        ok = rooted if known is None else rooted & known[:, 1:].to(dev)
         mask = rooted if mask is None else mask.bool() & rooted
     return FeatureBatch(tokens=b.ids[:, 1:-1], features=feats[:, :-1], positions=pos[:, : T - 2], mask=mask,
                         teacher=logits[:, 1:], labels=b.ids[:, 2:], keep=keep, known=ok, rooted=rooted)

@@ -111,11 +111,7 @@ class TeacherCache:
 
     def _store(self, rows: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None = None) -> None:
         if self.features is not None:
-            half = features.detach().cpu().half()
-            if not bool(torch.isfinite(half).all()):
-                raise ValueError("the target's features exceed float16's range (65504), so they cannot be kept: "
-                                 "set loss.teacher_topk=0")
-            self.features[rows] = half
+            self.features[rows] = half_features(features)
         top, idx = top_logprobs(logits.detach().cpu(), self.k)
         self.values[rows], self.index[rows] = top, idx
         self.fill[rows] = _tail_fill(top, self.vocab, self.k)
@@ -136,6 +132,15 @@ class TeacherCache:
     @property
     def hit_rate(self) -> float:
         return self.hits / max(1, self.hits + self.misses)
+
+
+def half_features(features: torch.Tensor) -> torch.Tensor:
+    """The target's hidden states as kept: fp16 on the CPU, refused (one line) where they exceed its range."""
+    half = features.detach().cpu().half()
+    if not bool(torch.isfinite(half).all()):
+        raise ValueError("the target's features exceed float16's range (65504), so they cannot be kept: set "
+                         "loss.teacher_topk=0")
+    return half
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
