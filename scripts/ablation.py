@@ -17,16 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WINNER = {"data": "generated", "loss": "distill_tv"}  # the data grid's winner: the loss and depth grids vary from it
 GRIDS = {
     "data": [{"data": d, "loss": "distill_tv"} for d in ("fixed", "generated", "on_policy", "mixed")],
-    "loss": [{"data": "on_policy", "loss": loss} for loss in ("forward_kl", "jsd")],
-    "capacity": [{"data": "on_policy", "loss": "distill_tv", "draft.layers": n} for n in (1, 2, 4)],
+    "loss": [{**WINNER, "loss": loss} for loss in ("forward_kl", "jsd")],
+    "capacity": [{**WINNER, "draft.layers": n} for n in (1, 2, 4, 6)],
 }
 BASE = {"recipe": "shallow_wide", "data": "fixed", "loss": "distill_tv", "draft.layers": 3}
 
@@ -61,6 +63,14 @@ def steps_done(run_dir: Path) -> int:
     """Optimiser steps the run made in its time (the checkpoint is named after the last one)."""
     ckpts = [p.name for p in (run_dir / "checkpoints").glob("step*-*.ckpt")]
     return max((int(n[4:n.index("-")]) for n in ckpts), default=0)
+
+
+def run_minutes(run_dir: Path) -> float:
+    """The training time a finished run was given (`trainer.max_time` of its Hydra config, DD:HH:MM:SS; read as
+    text: YAML 1.1 reads an unquoted 01:00:00:00 as a base-60 integer)."""
+    text = (run_dir / ".hydra" / "config.yaml").read_text()
+    d, h, m, s = (int(x) for x in re.search(r"max_time: *['\"]?(\d+:\d+:\d+:\d+)", text).group(1).split(":"))
+    return (d * 24 + h) * 60 + m + s / 60
 
 
 def row(change: dict, report: dict, run_dir: Path) -> dict:
@@ -103,7 +113,7 @@ def plot(rows: list[dict], path: Path, minutes: float) -> None:
     axes[0].set_ylabel("alpha_on_target (bars), sampled alpha (dots)")
     axes[0].set_title(f"data x loss x depth, {minutes:g} min of training each")
     axes[0].legend()
-    cap = sorted((r for r in rows if r["data"] == "on_policy" and r["loss"] == "distill_tv"),
+    cap = sorted((r for r in rows if r["data"] == WINNER["data"] and r["loss"] == WINNER["loss"]),
                  key=lambda r: r["draft.layers"])
     if len({r["draft.layers"] for r in cap}) >= 2:
         from sampling.cost import predicted_speedup
@@ -116,7 +126,8 @@ def plot(rows: list[dict], path: Path, minutes: float) -> None:
                 ax.annotate(f"L{r['draft.layers']} {s:.2f}x", (r["c"], r[f"{ps}_alpha_on_target"]), fontsize=7)
         ax.set_xlabel("c (draft step / target step, measured)")
         ax.set_ylabel("alpha_on_target")
-        ax.set_title(f"capacity frontier (on_policy, distill_tv); labels: predicted speed-up at K={cap[0]['k']}")
+        ax.set_title(f"capacity frontier ({WINNER['data']}, {WINNER['loss']}); labels: predicted speed-up at "
+                     f"K={cap[0]['k']}")
         ax.legend()
     else:  # no capacity runs: what each data source cost, in optimiser steps done in the same time
         ax = axes[1]
@@ -188,7 +199,7 @@ def main(argv=None) -> int:
     changes = [c for g in args.only for c in GRIDS[g]]
     changes = [c for i, c in enumerate(changes) if name_of(c) not in {name_of(d) for d in changes[:i]}]
     if "data" not in args.only:  # every grid compares against the default cell
-        changes.insert(0, {"data": "on_policy", "loss": "distill_tv"})
+        changes.insert(0, dict(WINNER))
     rows = []
     for change in changes:
         report = None
@@ -204,7 +215,8 @@ def main(argv=None) -> int:
         return 1
     info = {k: v for k, v in json.loads((args.runs / rows[0]["name"] / "report.json").read_text()).items()
             if k in ("machine", "dtype", "training_precision", "sampler")}
-    write(rows, args.out, args.minutes, {**info, "overrides": args.overrides})
+    minutes = run_minutes(args.runs / rows[0]["name"]) if args.plot_only else args.minutes
+    write(rows, args.out, minutes, {**info, "overrides": args.overrides})
     return 0
 
 
