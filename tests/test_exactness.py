@@ -97,15 +97,15 @@ def speculative_sequences(p, q, prompt, budget, k, eos, feature=False, stop=None
             else:
                 loop(seq + block, w, left - len(block))
 
-        if feature and len(verified) == 1:
-            dist = q(verified)
-            for y in range(V):
-                if dist[y] > 0:
-                    emit([y], prob * dist[y].item())
-            return
-
         # the tree has ~1e6 leaves at K 3: distributions are read as Python floats (the same float64 values), since
         # indexing a tensor element by element was most of this test's time
+        if feature and len(verified) == 1:
+            dist = q(verified).tolist()
+            for y in range(V):
+                if dist[y] > 0:
+                    emit([y], prob * dist[y])
+            return
+
         def draft(drafts, w, confs=()):
             ended = stop is not None and 0 < len(drafts) < K and stop(list(confs))
             if len(drafts) < K and not ended:
