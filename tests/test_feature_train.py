@@ -9,6 +9,7 @@ from conftest import run_entry, tiny_llama
 from helpers import fit_losses
 from test_feature import FeatureDist, feature_draft
 
+from sampling.feature import FeatureTap
 from sampling.probs import SamplingConfig, process_logits
 from sampling.rejection import expected_acceptance
 from train.feature import build_feature_draft, feature_alpha, teacher_pass, unrolled
@@ -51,6 +52,21 @@ def test_teacher_pass_alignment(pair):
     assert torch.allclose(fb.teacher[:, 2], q, atol=1e-5)  # slot 2 predicts x_4
     logits, teacher, labels, sizes = unrolled(draft, fb, 3)
     assert sizes == [12, 10, 8] and len(logits) == len(teacher) == len(labels) == 30  # slots j >= s of 2 rows x 6
+
+
+def test_fc_starts_as_the_top_feature_at_unit_scale():
+    """Raw hidden states dwarf what a new layer adds (docs/feature_head): fc starts as the highest feature layer's
+    state divided by its median RMS per token on the probe, so the fused input has median RMS 1 there."""
+    target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
+    probe = torch.randint(0, 30, (3, 12), generator=torch.Generator().manual_seed(2))
+    draft = build_feature_draft(target, probe=probe)
+    with torch.no_grad(), FeatureTap(target, draft.feature_layers) as tap:
+        target(input_ids=probe)
+        feats = tap.take()
+        fused = draft.fuse(feats)
+    top = feats[..., 2 * 32:]
+    assert torch.allclose(fused * top.pow(2).mean(-1).sqrt().median(), top, atol=1e-5)
+    assert fused.pow(2).mean(-1).sqrt().median().item() == pytest.approx(1.0, abs=1e-5)
 
 
 def test_training_moves_the_draft_towards_the_target():

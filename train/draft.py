@@ -82,7 +82,8 @@ def train(cfg: DictConfig) -> dict:
     draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))
     if draft_cfg.kind == "feature_head":
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
-                                    _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head)
+                                    _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head,
+                                    probe=blocks["train"][:4])
     else:
         draft = build_draft(target, draft_cfg)
     head_tokens = None

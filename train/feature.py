@@ -20,9 +20,10 @@ from train.onpolicy import Batch
 
 
 def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = None, token_counts=None,
-                        freeze_head: bool = True) -> FeatureDraft:
+                        freeze_head: bool = True, probe: torch.Tensor | None = None) -> FeatureDraft:
     """The target's embedding (frozen), its final norm and head rows (for a pruned head: the `draft_vocab` most
-    frequent tokens of the corpus) as a start; fc and the layer are new. Parameter count and the head printed."""
+    frequent tokens of the corpus) as a start; the layer is new, and fc starts as the highest feature layer's state
+    at unit scale, measured on `probe` (token ids, (B, T); None: random tokens). Parameters and head printed."""
     cfg = FeatureConfig.for_target(target.config, feature_layers, draft_vocab)
     torch.manual_seed(0)
     draft = FeatureDraft(cfg).float()
@@ -35,9 +36,14 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
                 raise ValueError("draft.draft_vocab needs the corpus' token counts to choose the head's tokens")
             draft.set_vocab(token_counts.topk(draft_vocab).indices)
         draft.lm_head.weight.copy_(head[draft.token_ids()])
-        # start near "pass the fused feature through": the new layer's outputs begin small
-        draft.midlayer.self_attn.o_proj.weight.mul_(0.1)
-        draft.midlayer.mlp.down_proj.weight.mul_(0.1)
+        # The target's hidden states are large (SmolLM2-135M, entering layer 27: median RMS 23 per token, 2e4 at the
+        # first one), so a default fc fed the residual a random vector of RMS ~30 to which the new layer added
+        # ~0.02: the token it reads barely counted. Starting fc as the highest layer's state at RMS ~1 puts the
+        # residual where the target's final norm and head read, at the layer's own scale (docs/feature_head:
+        # val/alpha_on_target 0.297 -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313).
+        H = cfg.target_hidden_size
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, 2 * H:] = torch.eye(H) / _feature_scale(target, cfg.feature_layers[2], probe)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(not freeze_head)
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -45,6 +51,16 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
           f"head over {draft.lm_head.weight.shape[0]} tokens{' (frozen)' if freeze_head else ''}; "
           f"{n / 1e6:.1f}M trainable parameters", flush=True)
     return draft
+
+
+def _feature_scale(target, layer: int, probe: torch.Tensor | None) -> torch.Tensor:
+    """Median per-token RMS of the hidden state entering target layer `layer` on `probe`."""
+    if probe is None:
+        probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    with FeatureTap(target, [layer] * 3) as tap:
+        target(input_ids=probe.to(target.device))
+        h = tap.take()[..., : target.config.hidden_size].float()
+    return h.pow(2).mean(-1).sqrt().median().clamp_min(1e-6).cpu()
 
 
 @dataclass
