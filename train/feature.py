@@ -43,7 +43,7 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         # val/alpha_on_target 0.297 -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313).
         H = cfg.target_hidden_size
         draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * H:] = torch.eye(H) / _feature_scale(target, cfg.feature_layers[2], probe)
+        draft.fc.weight[:, 2 * H:] = torch.eye(H) / _top_feature_scale(target, cfg.feature_layers, probe)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(not freeze_head)
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -53,14 +53,14 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
     return draft
 
 
-def _feature_scale(target, layer: int, probe: torch.Tensor | None) -> torch.Tensor:
-    """Median per-token RMS of the hidden state entering target layer `layer` on `probe`."""
+def _top_feature_scale(target, layers: list[int], probe: torch.Tensor | None) -> torch.Tensor:
+    """Median per-token RMS, on `probe`, of the highest of the draft's features (the last block `fc` reads)."""
     if probe is None:
         probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
-    with FeatureTap(target, [layer] * 3) as tap:
+    with FeatureTap(target, layers) as tap:
         target(input_ids=probe.to(target.device))
-        h = tap.take()[..., : target.config.hidden_size].float()
-    return h.pow(2).mean(-1).sqrt().median().clamp_min(1e-6).cpu()
+        top = tap.take()[..., 2 * target.config.hidden_size:].float()
+    return top.pow(2).mean(-1).sqrt().median().clamp_min(1e-6).cpu()
 
 
 @dataclass
