@@ -120,6 +120,30 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=5e-2)  # a row or a feature mixed up: far off
 
 
+def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
+    """draft.step_decay (EAGLE-3's 0.8): step s of the training-time test weighs step_decay ** s in the loss, and
+    step_decay = 1 leaves the plain mean; a decay outside (0, 1] is refused."""
+    from train.models import DraftConfig
+    from train.module import DraftModule
+
+    target, draft = pair
+    ids = torch.randint(0, 30, (2, 10), generator=torch.Generator().manual_seed(3))
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1}, "compile": False}
+    for decay in (1.0, 0.5):
+        module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-3}, sampler={"temperature": 1.0},
+                             max_steps=1, unroll=3, step_decay=decay)
+        logits, _, _, weights = module._feature_logits(Batch(ids))
+        if decay == 1.0:
+            assert weights is None
+            continue
+        sizes = [2 * (8 - s) for s in range(3)]  # slot j of step s needs j >= s; 8 slots per row
+        assert len(weights) == len(logits) == sum(sizes)
+        assert torch.equal(weights, torch.cat([torch.full((n,), 0.5 ** s) for s, n in enumerate(sizes)]))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="step_decay"):
+            DraftConfig(kind="feature_head", step_decay=bad)
+
+
 def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
     """On the target's own samples (as recipe=feature_head): its logits and features kept as it sampled them fill
     the teacher cache, so the first epoch runs no teacher pass over those blocks."""

@@ -214,14 +214,14 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     sel = (cache.filled & ~cache.known_features.all(1)).nonzero().squeeze(1)[:4]
     assert len(sel) > 0  # blocks with a seam inside
     b = Batch(blocks["train"][sel])
-    logits, tlogits, labels = module._feature_logits(b, sel)
+    logits, tlogits, labels, _ = module._feature_logits(b, sel)
     bad = labels == -100
     assert 0 < int(bad.sum()) < len(labels) // 2
     torch.testing.assert_close(tlogits[bad], logits[bad].detach())
     saved = cache.features.clone()
     hole = ~cache.known_features
     cache.features[hole] = 1e3 * torch.randn(int(hole.sum()), cache.features.shape[-1]).half()
-    again, _, labels2 = module._feature_logits(b, sel)
+    again, _, labels2, _ = module._feature_logits(b, sel)
     cache.features.copy_(saved)
     assert torch.equal(labels2, labels)
     torch.testing.assert_close(again[~bad], logits[~bad], atol=1e-5, rtol=1e-5)

@@ -29,6 +29,23 @@ def test_fused_divergences_equal_the_reference_functions(logits, compile):
         torch.testing.assert_close(fused[n], losses.DIVERGENCES[n](d, t, 0.8), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_row_weights_give_the_weighted_mean_of_every_term(logits, compile):
+    # the feature draft's unrolled steps (step s weighs step_decay ** s): a weight of 2 on a row counts it twice, a
+    # weight of 0 drops it, and ce skips ignored labels in the weights as the plain mean does
+    d, t = logits
+    labels = torch.arange(16) % 50
+    labels[3] = -100
+    w = torch.ones(16)
+    w[:4], w[10:] = 2.0, 0.0
+    names = {n: 1.0 for n in losses.DIVERGENCES} | {"ce": 1.0}
+    _, got = losses.draft_loss(d, labels, t, names, 0.8, compile=compile, row_weights=w)
+    rows = [0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # rows 0-3 twice, 4-9 once, 10-15 never
+    _, want = losses.draft_loss(d[rows], labels[rows], t[rows], names, 0.8, compile=False)
+    for n in names:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5)
+
+
 def test_tv_is_one_minus_the_samplers_acceptance(logits):
     d, t = logits
     cfg = SamplingConfig(0.8)

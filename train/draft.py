@@ -111,8 +111,8 @@ def train(cfg: DictConfig) -> dict:
               "sampled them: no teacher pass over those", flush=True)
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
-                         on_policy=on_policy, unroll=draft_cfg.unroll, teacher_cache=teacher_cache,
-                         head_tokens=head_tokens)
+                         on_policy=on_policy, unroll=draft_cfg.unroll, step_decay=draft_cfg.step_decay,
+                         teacher_cache=teacher_cache, head_tokens=head_tokens)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
     on_target = on_target_prompts(cfg, tok, blocks, val_prompts)

@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
-def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(draft_logits.float(), labels)
+def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):
+    if weights is None:
+        return F.cross_entropy(draft_logits.float(), labels)
+    w = weights * (labels != -100)  # ignored labels count in neither sum, as in the unweighted mean
+    return (F.cross_entropy(draft_logits.float(), labels, reduction="none") * w).sum() / w.sum().clamp_min(1e-12)
 
 
 def forward_kl(draft_logits, target_logits, temperature: float = 1.0) -> torch.Tensor:
@@ -51,21 +54,27 @@ def tv(draft_logits, target_logits, temperature: float = 1.0) -> torch.Tensor:
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd, "tv": tv}
 
 
-def _fused(draft_logits, target_logits, temperature: float, names: tuple[str, ...]) -> dict:
-    """All requested divergences from one pair of log-softmaxes (jsd with beta = 0.5)."""
+def _fused(draft_logits, target_logits, temperature: float, names: tuple[str, ...],
+           weights: torch.Tensor | None = None) -> dict:
+    """All requested divergences from one pair of log-softmaxes (jsd with beta = 0.5); `weights` (N,): a weighted
+    mean over positions instead of the plain one."""
     logp = F.log_softmax(draft_logits.float() / temperature, -1)
     logq = F.log_softmax(target_logits.float() / temperature, -1)
     p, q = logp.exp(), logq.exp()
+
+    def mean(x):
+        return x.mean() if weights is None else (x * weights).sum() / weights.sum()
+
     out = {}
     if "forward_kl" in names:
-        out["forward_kl"] = (q * (logq - logp)).sum(-1).mean()
+        out["forward_kl"] = mean((q * (logq - logp)).sum(-1))
     if "reverse_kl" in names:
-        out["reverse_kl"] = (p * (logp - logq)).sum(-1).mean()
+        out["reverse_kl"] = mean((p * (logp - logq)).sum(-1))
     if "tv" in names:
-        out["tv"] = 0.5 * (p - q).abs().sum(-1).mean()
+        out["tv"] = mean(0.5 * (p - q).abs().sum(-1))
     if "jsd" in names:
         logm = torch.log(0.5 * (p + q))
-        out["jsd"] = 0.5 * ((p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)).mean()
+        out["jsd"] = mean(0.5 * ((p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)))
     return out
 
 
@@ -75,35 +84,37 @@ def _fused(draft_logits, target_logits, temperature: float, names: tuple[str, ..
 _compiled = None
 
 
-def divergences(draft_logits, target_logits, temperature: float, names: tuple[str, ...], compile: bool = True):
+def divergences(draft_logits, target_logits, temperature: float, names: tuple[str, ...], compile: bool = True,
+                weights: torch.Tensor | None = None):
     global _compiled
     if compile:
         if _compiled is None:
             _compiled = torch.compile(_fused, dynamic=False)
         try:
-            return _compiled(draft_logits, target_logits, temperature, names)
+            return _compiled(draft_logits, target_logits, temperature, names, weights)
         except Exception as e:  # no C++ compiler, unsupported backend: correctness first, speed second
             import warnings
 
             warnings.warn(f"torch.compile of the distillation loss failed ({type(e).__name__}); running eager")
             _compiled = _fused
-    return _fused(draft_logits, target_logits, temperature, names)
+    return _fused(draft_logits, target_logits, temperature, names, weights)
 
 
 def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], temperature: float = 1.0,
-               compile: bool = True):
-    """Weighted sum of cross-entropy ('ce') and divergences; returns (total, {name: value})."""
+               compile: bool = True, row_weights: torch.Tensor | None = None):
+    """Weighted sum of cross-entropy ('ce') and divergences; returns (total, {name: value}). `row_weights` (N,):
+    each position's weight in every term's mean (a feature draft's unrolled steps; None: all equal)."""
     unknown = set(weights) - {"ce", *DIVERGENCES}
     if unknown:
         raise ValueError(f"unknown loss terms {sorted(unknown)}; choose from ce, {', '.join(DIVERGENCES)}")
     parts = {}
     if weights.get("ce", 0):
-        parts["ce"] = cross_entropy(draft_logits, labels)
+        parts["ce"] = cross_entropy(draft_logits, labels, row_weights)
     names = tuple(sorted(n for n in DIVERGENCES if weights.get(n, 0)))
     if names:
         if target_logits is None:
             raise ValueError(f"loss terms {list(names)} need the target's logits: set loss.distill=true")
-        parts.update(divergences(draft_logits, target_logits, temperature, names, compile))
+        parts.update(divergences(draft_logits, target_logits, temperature, names, compile, row_weights))
     if not parts:
         raise ValueError("all loss weights are zero: give ce or a divergence a positive weight")
     total = sum(weights[k] * v for k, v in parts.items())

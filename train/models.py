@@ -36,6 +36,7 @@ class DraftConfig:
     vocab_source: str | None = None  # a corpus whose token frequencies join the training corpus' in choosing the
                                      # pruned head's tokens (e.g. stdlib)
     unroll: int = 4  # feature_head: drafting steps of the training-time test (the K it is trained for)
+    step_decay: float = 1.0  # feature_head: unrolled step s weighs step_decay ** s in the loss (EAGLE-3: 0.8)
 
     def __post_init__(self):
         if self.kind not in ("independent", "feature_head"):
@@ -44,6 +45,9 @@ class DraftConfig:
             raise ValueError(f"draft.draft_vocab must be >= 2 tokens (or null: the full head), got {self.draft_vocab}")
         if self.unroll < 1:
             raise ValueError(f"draft.unroll must be >= 1, got {self.unroll}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"draft.step_decay must be in (0, 1] (step s of the unroll weighs step_decay ** s), "
+                             f"got {self.step_decay}")
         if self.init not in ("scratch", "target"):
             raise ValueError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
         if self.layers is not None and self.layers < 1:

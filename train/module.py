@@ -27,8 +27,8 @@ class DraftModule(L.LightningModule):
     """
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
-                 on_policy: OnPolicy | None = None, unroll: int = 4, teacher_cache: TeacherCache | None = None,
-                 head_tokens: torch.Tensor | None = None):
+                 on_policy: OnPolicy | None = None, unroll: int = 4, step_decay: float = 1.0,
+                 teacher_cache: TeacherCache | None = None, head_tokens: torch.Tensor | None = None):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -40,7 +40,7 @@ class DraftModule(L.LightningModule):
         self._t_last = None
         self.nonfinite_steps, self._nonfinite_run, self.max_nonfinite = 0, 0, 5
         self.feature = is_feature_draft(draft)
-        self.unroll = unroll  # feature draft: steps of the training-time test
+        self.unroll, self.step_decay = unroll, step_decay  # feature draft: the training-time test's steps, weights
         self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
         self.head_tokens = head_tokens  # an independent draft's pruned head: trained and run over these tokens only
         if head_tokens is not None:  # each token's class in that head; -100 (no class, ignored) outside it
@@ -118,12 +118,13 @@ class DraftModule(L.LightningModule):
             t = time.perf_counter()
             b = self.on_policy(self.sampling_draft, ids, self._progress())  # as deployed: its pruned head
             self.log("train/on_policy_s", time.perf_counter() - t)
+        row_weights = None
         if self.feature:
-            logits, tlogits, labels = self._feature_logits(b, rows)
+            logits, tlogits, labels, row_weights = self._feature_logits(b, rows)
         else:
             logits, tlogits, labels = self._draft_logits(b, rows)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
-                                  self.loss_cfg.get("compile", True))
+                                  self.loss_cfg.get("compile", True), row_weights)
         if not bool(torch.isfinite(total)):  # skip the step (no backward, no update); stop if it keeps happening
             self.nonfinite_steps += 1
             self._nonfinite_run += 1
@@ -148,7 +149,8 @@ class DraftModule(L.LightningModule):
     def _feature_logits(self, b: Batch, rows: torch.Tensor | None = None):
         """One teacher pass gives the features and the logits (kept after a block's first visit, with
         loss.teacher_topk); every unrolled step is scored against the same teacher (slot j predicts x_{j+2} at
-        every step), all steps in one loss call (equal weights)."""
+        every step), all steps in one loss call, step s weighing step_decay ** s (EAGLE-3's 0.8: an accepted
+        run ends at its first rejection, so the first draft counts most)."""
         layers = self.draft.feature_layers
         if self._kept(b, rows):
             cache = self.teacher_cache
@@ -156,8 +158,12 @@ class DraftModule(L.LightningModule):
                                cache.known_rows(rows), cache.known_feature_rows(rows))
         else:
             fb = teacher_pass(self.target, layers, b)
-        logits, tlogits, labels, _ = unrolled(self.draft, fb, self.unroll)
-        return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels
+        logits, tlogits, labels, sizes = unrolled(self.draft, fb, self.unroll)
+        weights = None
+        if self.step_decay != 1.0:
+            weights = torch.cat([logits.new_full((n,), self.step_decay ** s, dtype=torch.float32)
+                                 for s, n in enumerate(sizes)])
+        return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels, weights
 
     def _draft_logits(self, b: Batch, rows: torch.Tensor | None = None):
         logits = b.logits(self.draft, self.head_tokens)  # (B, T-1, V), or (B, T-1, N) over a pruned head's tokens
