@@ -161,8 +161,9 @@ class DraftModule(L.LightningModule):
         logits, tlogits, labels, sizes = unrolled(self.draft, fb, self.unroll)
         weights = None
         if self.step_decay != 1.0:
-            weights = torch.cat([logits.new_full((n,), self.step_decay ** s, dtype=torch.float32)
-                                 for s, n in enumerate(sizes)])
+            dev = logits.device
+            per_step = self.step_decay ** torch.arange(len(sizes), dtype=torch.float32, device=dev)
+            weights = per_step.repeat_interleave(torch.tensor(sizes, device=dev))
         return logits, tlogits if self.loss_cfg.get("distill", True) else None, labels, weights
 
     def _draft_logits(self, b: Batch, rows: torch.Tensor | None = None):
