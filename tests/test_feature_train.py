@@ -144,6 +144,51 @@ def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
             DraftConfig(kind="feature_head", step_decay=bad)
 
 
+def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pair, monkeypatch):
+    """draft.feature_noise (EAGLE-1's): each of the three feature blocks gets U(-a, a) x its own per-token RMS (a
+    block 1e4 times larger gets noise 1e4 times larger), centred, fresh each call; training reads the noisy
+    features, and a noise of 0 or outside [0, 1) is none or refused."""
+    from train import module as module_lib
+    from train.feature import noisy_features
+    from train.models import DraftConfig
+    from train.module import DraftModule
+
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e4, 1.0, 20.0])
+    x = (torch.randn(4, 50, 3, 16, generator=g) * scales[:, None]).flatten(-2)
+    a, b = noisy_features(x, 3, 0.1), noisy_features(x, 3, 0.1)
+    assert not torch.equal(a, b)
+    noise, blocks = (a - x).unflatten(-1, (3, 16)), x.unflatten(-1, (3, 16))
+    rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
+    rel = noise / rms
+    assert rel.abs().max() <= 0.1 + 1e-5 and rel.abs().max() > 0.09  # uniform up to the bound, no further
+    assert rel.mean().abs() < 0.005 and rel.std().item() == pytest.approx(0.1 / 3 ** 0.5, rel=0.05)
+    assert noisy_features(x.bfloat16(), 3, 0.1).dtype == torch.bfloat16  # kept features stay half
+
+    target, draft = pair
+    ids = torch.randint(0, 30, (2, 10), generator=torch.Generator().manual_seed(3))
+    loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1}, "compile": False}
+    read, real = [], module_lib.unrolled
+
+    def spy(d, fb, steps):  # what the draft is given to read
+        read.append(fb.features)
+        return real(d, fb, steps)
+
+    monkeypatch.setattr(module_lib, "unrolled", spy)
+    for noise in (0.0, 0.2):
+        module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-3}, sampler={"temperature": 1.0},
+                             max_steps=1, unroll=2, feature_noise=noise)
+        module._feature_logits(Batch(ids))
+    clean = teacher_pass(target, draft.feature_layers, Batch(ids)).features
+    assert torch.equal(read[0], clean)
+    rel = ((read[1] - clean).unflatten(-1, (3, -1)) / clean.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True)
+           .sqrt())
+    assert 0.15 < rel.abs().max() <= 0.2 + 1e-4
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="feature_noise"):
+            DraftConfig(kind="feature_head", feature_noise=bad)
+
+
 def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
     """On the target's own samples (as recipe=feature_head): its logits and features kept as it sampled them fill
     the teacher cache, so the first epoch runs no teacher pass over those blocks."""
@@ -161,6 +206,18 @@ def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
     assert filled and int(filled[1]) > 0.8 * int(filled[2])
     draft = load_model(str(run / "best_draft"))
     assert isinstance(draft, FeatureDraft)
+
+
+def test_a_bad_draft_setting_is_refused_before_the_corpus_is_sampled(tmp_path, monkeypatch):
+    """The draft's settings are checked with the rest of the config: a run with data=generated used to sample the
+    whole corpus first, and only then refuse them."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(home))
+    r = run_entry("recipe=smoke", "draft=feature_head", "data=generated", "draft.feature_noise=2",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: draft.feature_noise must be in [0, 1)")
+    assert not (home / "generated").exists()
 
 
 @pytest.mark.parametrize("override, message", [("data=mixed", "feature draft cannot sample alone"),

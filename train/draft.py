@@ -65,6 +65,7 @@ def train(cfg: DictConfig) -> dict:
     tok = load_tokenizer(cfg.target.name)
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
+    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))  # a bad draft setting too, not after sampling
     target = load_model(cfg.target.name, cfg.target.dtype, role="teacher",
                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
 
@@ -79,7 +80,6 @@ def train(cfg: DictConfig) -> dict:
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
     token_counts = torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size)
-    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))
     if draft_cfg.kind == "feature_head":
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
                                     _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head,
@@ -112,6 +112,7 @@ def train(cfg: DictConfig) -> dict:
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                          on_policy=on_policy, unroll=draft_cfg.unroll, step_decay=draft_cfg.step_decay,
+                         feature_noise=draft_cfg.feature_noise,
                          teacher_cache=teacher_cache, head_tokens=head_tokens)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)

@@ -116,6 +116,17 @@ def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor, known: to
                         teacher=logits[:, 1:], labels=b.ids[:, 2:], keep=keep, known=ok, rooted=rooted)
 
 
+def noisy_features(features: torch.Tensor, blocks: int, scale: float) -> torch.Tensor:
+    """`features` (..., blocks x H) plus uniform noise U(-scale, scale) x each block's per-token RMS, as EAGLE-1
+    trains (U(-0.1, 0.1)): the same few thousand samples, seen again each epoch, are never read twice alike.
+    Relative, because the blocks differ in scale by orders (SmolLM2-135M: RMS ~20 entering layer 27, 2e4 at a
+    first token)."""
+    x = features.float().unflatten(-1, (blocks, -1))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = (torch.rand_like(x) * 2 - 1) * (scale * rms)
+    return (x + noise).flatten(-2).to(features.dtype)
+
+
 def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
     """(draft logits (N, n), teacher logits (N, n), labels (N,), [N_s per step]): the slots of every step, step by
     step; only slots with a real label and a history of s own steps (j >= s); over the head's n tokens when it is

@@ -37,6 +37,7 @@ class DraftConfig:
                                      # pruned head's tokens (e.g. stdlib)
     unroll: int = 4  # feature_head: drafting steps of the training-time test (the K it is trained for)
     step_decay: float = 1.0  # feature_head: unrolled step s weighs step_decay ** s in the loss (EAGLE-3: 0.8)
+    feature_noise: float = 0.0  # feature_head: training adds U(-a, a) x each state's RMS to the features it reads
 
     def __post_init__(self):
         if self.kind not in ("independent", "feature_head"):
@@ -48,6 +49,9 @@ class DraftConfig:
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"draft.step_decay must be in (0, 1] (step s of the unroll weighs step_decay ** s), "
                              f"got {self.step_decay}")
+        if not 0 <= self.feature_noise < 1:
+            raise ValueError(f"draft.feature_noise must be in [0, 1) (uniform noise, relative to each feature's RMS), "
+                             f"got {self.feature_noise}")
         if self.init not in ("scratch", "target"):
             raise ValueError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
         if self.layers is not None and self.layers < 1:

@@ -13,7 +13,7 @@ from sampling.feature import is_feature_draft
 from sampling.probs import SamplingConfig, process_logits
 from sampling.pruned import PrunedHeadDraft
 from sampling.rejection import expected_acceptance
-from train.feature import feature_alpha, feature_batch, target_outputs, teacher_pass, unrolled
+from train.feature import feature_alpha, feature_batch, noisy_features, target_outputs, teacher_pass, unrolled
 from train.losses import draft_loss
 from train.onpolicy import Batch, OnPolicy
 from train.teacher import TeacherCache
@@ -28,6 +28,7 @@ class DraftModule(L.LightningModule):
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
                  on_policy: OnPolicy | None = None, unroll: int = 4, step_decay: float = 1.0,
+                 feature_noise: float = 0.0,
                  teacher_cache: TeacherCache | None = None, head_tokens: torch.Tensor | None = None):
         super().__init__()
         self.draft = draft
@@ -41,6 +42,7 @@ class DraftModule(L.LightningModule):
         self.nonfinite_steps, self._nonfinite_run, self.max_nonfinite = 0, 0, 5
         self.feature = is_feature_draft(draft)
         self.unroll, self.step_decay = unroll, step_decay  # feature draft: the training-time test's steps, weights
+        self.feature_noise = feature_noise  # and the noise on the features it reads in training (EAGLE-1's)
         self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
         self.head_tokens = head_tokens  # an independent draft's pruned head: trained and run over these tokens only
         if head_tokens is not None:  # each token's class in that head; -100 (no class, ignored) outside it
@@ -158,6 +160,8 @@ class DraftModule(L.LightningModule):
                                cache.known_rows(rows), cache.known_feature_rows(rows))
         else:
             fb = teacher_pass(self.target, layers, b)
+        if self.feature_noise:
+            fb.features = noisy_features(fb.features, len(layers), self.feature_noise)
         logits, tlogits, labels, sizes = unrolled(self.draft, fb, self.unroll)
         weights = None
         if self.step_decay != 1.0:
