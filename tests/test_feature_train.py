@@ -144,6 +144,12 @@ def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
             DraftConfig(kind="feature_head", step_decay=bad)
 
 
+def _relative_noise(noisy: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """(noisy - clean) over the per-token RMS of each of the three feature blocks of `clean`."""
+    blocks = clean.unflatten(-1, (3, -1))
+    return (noisy.unflatten(-1, (3, -1)) - blocks) / blocks.pow(2).mean(-1, keepdim=True).sqrt()
+
+
 def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pair, monkeypatch):
     """draft.feature_noise (EAGLE-1's): each of the three feature blocks gets U(-a, a) x its own per-token RMS (a
     block 1e4 times larger gets noise 1e4 times larger), centred, fresh each call; training reads the noisy
@@ -158,9 +164,7 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
     x = (torch.randn(4, 50, 3, 16, generator=g) * scales[:, None]).flatten(-2)
     a, b = noisy_features(x, 3, 0.1), noisy_features(x, 3, 0.1)
     assert not torch.equal(a, b)
-    noise, blocks = (a - x).unflatten(-1, (3, 16)), x.unflatten(-1, (3, 16))
-    rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
-    rel = noise / rms
+    rel = _relative_noise(a, x)
     assert rel.abs().max() <= 0.1 + 1e-5 and rel.abs().max() > 0.09  # uniform up to the bound, no further
     assert rel.mean().abs() < 0.005 and rel.std().item() == pytest.approx(0.1 / 3 ** 0.5, rel=0.05)
     assert noisy_features(x.bfloat16(), 3, 0.1).dtype == torch.bfloat16  # kept features stay half
@@ -181,8 +185,7 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
         module._feature_logits(Batch(ids))
     clean = teacher_pass(target, draft.feature_layers, Batch(ids)).features
     assert torch.equal(read[0], clean)
-    rel = ((read[1] - clean).unflatten(-1, (3, -1)) / clean.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True)
-           .sqrt())
+    rel = _relative_noise(read[1], clean)
     assert 0.15 < rel.abs().max() <= 0.2 + 1e-4
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="feature_noise"):
