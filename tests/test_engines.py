@@ -5,6 +5,7 @@ that installs it; CI installs vLLM and sets DRAFTSMITH_REQUIRE_ENGINES=vllm, whi
 import os
 
 import pytest
+import torch
 
 from train.conformance import Setting, check, open_bundle
 from train.engines import VLLM_INSTALL, llamacpp_missing, vllm_python
@@ -22,17 +23,37 @@ def installed(engine: str, missing: str | None):
 
 @pytest.fixture(scope="module")
 def demo_bundle(demo_target, tmp_path_factory):
-    """The demo target with its own first two layers as the draft (head_dim 64, as vLLM needs)."""
+    """The demo target's own first two layers as the draft (head_dim 64, as vLLM needs), with a pruned head of the
+    8192 most frequent tokens, as `recipe=shallow_wide` makes it: each engine must load it the way its users do."""
     from sampling.models import resolve
+    from sampling.pruned import top_tokens
     from train.export import export
     from train.models import truncated_target
+    from train.report import save_draft
 
     target, tok = demo_target
     root = tmp_path_factory.mktemp("engines")
-    truncated_target(target, 2).save_pretrained(root / "draft")
-    tok.save_pretrained(root / "draft")
+    counts = torch.zeros(target.config.vocab_size)
+    counts[: 8192] = 1.0  # the first ids of SmolLM2's BPE are its bytes and commonest merges
+    head = top_tokens(counts, 8192, always=[tok.eos_token_id])
+    save_draft(truncated_target(target, 2), tok, root / "draft", head_tokens=head)
     return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
                   max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
+
+
+def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
+    """Assisted generation takes a plain PreTrainedModel: the draft runs its full head there (exact all the same);
+    it used to crash on our pruned-head wrapper ('PrunedHeadDraft' object has no attribute 'device')."""
+    from sampling.pruned import PrunedHeadDraft
+    from train.engines import TransformersEngine
+
+    bundle = open_bundle(demo_bundle)
+    engine = TransformersEngine(bundle)
+    assert not isinstance(engine.draft, PrunedHeadDraft)
+    report = check(bundle, engine, [Setting(0.0), Setting(0.8, 0.95)], draws=600, n_prompts=2, samples=2,
+                   max_new_tokens=16)
+    print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
+    assert report["verdict"] == "pass", report["settings"]
 
 
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")

@@ -80,3 +80,37 @@ def test_export_refuses_what_is_not_a_run(tmp_path):
 
     assert main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp_path, capsys):
+    """The bundle the main job makes (a pruned head) in transformers' assisted generation: the engine hands it the
+    draft as a plain model and the check passes, where it used to end in a traceback inside transformers."""
+    import shutil
+
+    from train.conformance import main
+
+    _, out = bundle
+    b = tmp_path / "b"
+    shutil.copytree(out, b)
+    rc = main([str(b), "--engine", "transformers", "--draws", "300", "--prompts", "2", "--samples", "2",
+               "--max-new-tokens", "8"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err[-2000:]
+    assert "greedy" in printed.out and "PASS" in printed.out
+    assert json.loads((b / "speculative.json").read_text())["deployment"]["transformers"]["verdict"] == "pass"
+
+
+def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle, tmp_path, monkeypatch, capsys):
+    from train import engines
+    from train.conformance import main
+
+    _, out = bundle
+
+    def crash(self, jobs, speculative):
+        raise AttributeError("'X' object has no attribute 'device'")
+
+    monkeypatch.setattr(engines.TransformersEngine, "run", crash)
+    assert main([str(out), "--engine", "transformers", "--no-write"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: transformers failed on {out}: AttributeError: 'X' object has no attribute")
+    assert "Traceback" not in "\n".join(err)

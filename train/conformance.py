@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     try:
         bundle = open_bundle(args.bundle)
         engine = open_engine(args.engine, bundle)
-    except (BundleError, ModelNotFound, EngineMissing) as e:
+    except (BundleError, ModelNotFound, EngineMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = bundle.spec.get("sampling", {})
@@ -459,6 +459,11 @@ def main(argv=None) -> int:
                        max_new_tokens=args.max_new_tokens)
     except EngineFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a crash inside the engine's own code: name the engine, the bundle and the cause
+        cause = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"error: {args.engine} failed on {args.bundle}: {type(e).__name__}: {cause} (a bug of that engine "
+              "or of draftsmith's adapter for it; please report it with this line)", file=sys.stderr)
         return 2
     print(f"{report['engine']} {report['version']}, K={report['k']}, {report['machine'].get('cpu', '')}")
     for name, r in report["settings"].items():

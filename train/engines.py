@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from sampling.feature import is_feature_dir
 from sampling.models import cache_home, load_model
+from sampling.pruned import split_head
 from sampling.speculative import autoregressive_generate, speculative_generate
 
 VLLM_INSTALL = "bash scripts/install_vllm.sh"
@@ -71,11 +73,15 @@ class Engine:
 
 
 class _InProcess(Engine):
+    pruned_head = True  # a draft trained with a pruned head runs with it; an engine that cannot, runs the full head
+
     def __init__(self, bundle):
         self.bundle = bundle
         dtypes = bundle.spec.get("dtype", {})
         self.target = load_model(str(bundle.target_dir), dtypes.get("target", "fp32"))
         self.draft = load_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
+        if not self.pruned_head:
+            self.draft = split_head(self.draft)[0]
         self.k = int(bundle.spec["recommended_k"])
         self.eos = self.target.generation_config.eos_token_id
 
@@ -123,6 +129,13 @@ class TransformersEngine(_InProcess):
     as transformers requires); plain decoding too, except the chi-square's thousands of draws (one batched call)."""
 
     name = "transformers"
+    pruned_head = False  # its users load the draft with AutoModelForCausalLM: the full head, exact all the same
+
+    def __init__(self, bundle):
+        if is_feature_dir(bundle.draft_dir):
+            raise EngineMissing(f"transformers cannot run {bundle.draft_dir}: it is a feature draft (EAGLE-3), "
+                                "which assisted generation does not support; judge it with --engine vllm or draftsmith")
+        super().__init__(bundle)
 
     def version(self) -> str:
         import transformers
