@@ -3,9 +3,9 @@
 Pure: imports torch and transformers only (no Lightning, Hydra or `train/`), so it deploys alone.
 """
 
-from sampling.probs import SamplingConfig, process_logits
-from sampling.speculative import Generation, autoregressive_generate, speculative_generate
-from sampling.stats import GenerationStats
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.speculative import Generation, autoregressive_generate, speculative_generate
+from draftsmith.sampling.stats import GenerationStats
 
 __all__ = [
     "Generation",

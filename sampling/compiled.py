@@ -38,9 +38,9 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from sampling.cache import Decoder, compaction_order, expand_slots, keep_index
-from sampling.feature import is_feature_draft
-from sampling.pruned import PrunedHeadDraft, PrunedOutput
+from draftsmith.sampling.cache import Decoder, compaction_order, expand_slots, keep_index
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.pruned import PrunedHeadDraft, PrunedOutput
 
 MIN_CAPACITY = 512  # capacities round up to a power of two, at least this: one graph serves most generations
 MAX_COMPILED_TOKENS = 16  # steps over more new tokens than this (prefill) run eagerly

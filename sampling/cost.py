@@ -1,4 +1,4 @@
-"""Measured costs for the speed-up model of DESIGN.md section 2, on the machine at hand.
+"""Measured costs for the speed-up model of docs/design.md, on the machine at hand.
 
 c    = cost of one draft step / cost of one target step (1 new token each, KV cache warm)
 v(K) = cost of one target pass over K+1 new tokens / cost of a 1-token pass
@@ -12,8 +12,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from sampling.compiled import StaticDecoder
-from sampling.feature import is_feature_draft
+from draftsmith.sampling.compiled import StaticDecoder
+from draftsmith.sampling.feature import is_feature_draft
 
 
 class Stepper:

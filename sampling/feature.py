@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sampling.cache import expand_slots, keep_last
-from sampling.pruned import PrunedOutput
+from draftsmith.sampling.cache import expand_slots, keep_last
+from draftsmith.sampling.pruned import PrunedOutput
 
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
 

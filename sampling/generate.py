@@ -1,7 +1,7 @@
 """Generate with speculative sampling and print the text and its statistics.
 
-    python -m sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8
-    python -m sampling.generate --target smollm2-135m --prompt "Hello"          # no draft: plain autoregressive
+    python -m draftsmith.sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8
+    python -m draftsmith.sampling.generate --target smollm2-135m --prompt "Hello"          # no draft: plain autoregressive
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from sampling.feature import is_feature_draft
-from sampling.models import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
-from sampling.probs import SamplingConfig
-from sampling.pruned import PrunedHeadDraft, prune_from_dir
-from sampling.speculative import autoregressive_generate, speculative_generate
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
+from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
+from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m sampling.generate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.sampling.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m",
                     help="alias, hub id, checkpoint dir or .gguf (default: %(default)s)")
     ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")

@@ -3,7 +3,7 @@
 Why: on a CPU, decoding one token or verifying K+1 is a product of a few rows with every weight matrix, read cold
 from memory. The default `F.linear` (x @ W.T through MKL) is far from the best kernel there: profiled on an AMD EPYC
 (AVX2, 2 threads, torch 2.13.0 with MKL 2024.2, fp32), SmolLM2-135M's matrix products took 40 ms of a 1-token
-forward and 78 ms of a 2-token one, so scoring 2 tokens cost 1.7 times scoring one (v(1), DESIGN.md section 2),
+forward and 78 ms of a 2-token one, so scoring 2 tokens cost 1.7 times scoring one (v(1), docs/design.md),
 which caps every draft's speed-up. The same products as W @ x.T (MKL's plain layout, no repacking of the weight)
 cost about half at 2 to 4 rows; at 3 rows padding to 4 pays; at 1 row oneDNN sometimes wins.
 
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sampling.cost import Stepper
-from sampling.precision import machine_key, read_json, write_json
+from draftsmith.sampling.cost import Stepper
+from draftsmith.sampling.precision import machine_key, read_json, write_json
 
 FEW_ROWS = 64  # above this, F.linear (compute-bound: nothing to gain, measured)
 MIN_BYTES = 1 << 20  # matrices this small stay in cache and gain nothing measurable (the tiny test models)

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -31,48 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from draftsmith.sampling.machine import cache_home, machine, machine_key, read_json, write_json
+
 ROLES = ("train", "teacher", "decode")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # An explicit bf16 choice this much slower than fp32 on the machine at hand is honoured, with a warning.
 WARN_RATIO = 1.5
 # Slower than this on a small matmul means no native bf16 GEMM: no need to time the full-size shapes.
 _SLOW_PATH_RATIO = 8.0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> str:
-    """The flags that decide bf16 speed (a VM may report only 'AMD EPYC' as its model)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return " ".join(sorted(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2"))))
-    except OSError:
-        pass
-    return ""
-
-
-def machine() -> dict:
-    """What a speed figure was measured on: goes into every benchmark, report and card."""
-    return {
-        "cpu": _cpu_model(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_flags": _cpu_flags(),
-        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,12 +52,6 @@ def describe_run(info: dict) -> str:
     m = info["machine"]
     where = m["cuda"] or f"{m['cpu']}, {_describe(m)}"
     return f"{where}, torch {m['torch']}; " + ", ".join(f"{k} {v}" for k, v in info["dtype"].items())
-
-
-def machine_key(m: dict | None = None) -> str:
-    m = m or machine()
-    ident = [m["cpu"], m["cpu_capability"], m["cpu_flags"], m["native_bf16"], m["threads"], m["torch"]]
-    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
 def _median_ms(fn, reps: int, budget_s: float) -> float:
@@ -180,24 +137,7 @@ def _describe(m: dict) -> str:
 
 
 def _cache_path(key: str) -> Path:
-    from sampling.models import cache_home
-
     return cache_home() / "precision" / f"{key}.json"
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # absent or damaged: measured again
-
-
-def write_json(path: Path, v: dict) -> None:
-    """Whole or not at all: written to a temporary name and renamed (two processes may write at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(v, indent=2))
-    os.replace(tmp, path)
 
 
 def verdict(refresh: bool = False, quiet: bool = False) -> dict:

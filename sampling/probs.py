@@ -1,6 +1,6 @@
 """Logits -> the processed distribution that is actually sampled from.
 
-One function for both models and for the baseline: invariant 2 of DESIGN.md (temperature, top-k and
+One function for both models and for the baseline: invariant 2 of docs/design.md (temperature, top-k and
 top-p applied to draft and target identically) holds because there is only one code path.
 Shapes: (..., V) in, (..., V) float32 out.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sampling.probs import sample
+from draftsmith.sampling.probs import sample
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.cache import Decoder
-from sampling.compiled import StaticDecoder, check_compilable
-from sampling.feature import FeatureTap, is_feature_draft
-from sampling.probs import SamplingConfig, process_logits, sample
-from sampling.rejection import acceptance_probability, expected_acceptance, verify
-from sampling.stats import GenerationStats
+from draftsmith.sampling.cache import Decoder
+from draftsmith.sampling.compiled import StaticDecoder, check_compilable
+from draftsmith.sampling.feature import FeatureTap, is_feature_draft
+from draftsmith.sampling.probs import SamplingConfig, process_logits, sample
+from draftsmith.sampling.rejection import acceptance_probability, expected_acceptance, verify
+from draftsmith.sampling.stats import GenerationStats
 
 
 @dataclass
@@ -332,7 +332,7 @@ def _interpolate(v: dict, k: int) -> float:
 class KChooser:
     """K per loop (k="auto"), decided token by token from the draft's side, so the output stays exact.
 
-    After each drafted token the draft stops where the DESIGN speed-up model says stopping now gives the most
+    After each drafted token the draft stops where the speed-up model of docs/design.md says stopping now gives the most
     expected tokens per unit of time, sum_rows E_r(K) / (K c + v(K)), against drafting on to any K up to `k_max`.
     E_r(K) = 1 + sum_{j<=K} prod_{l<=j} a_rl: the tokens drafted so far each carry an acceptance predicted from the
     draft's probability of them (a table over `BINS` bins of that probability, fitted online to min(1, q/p) at
@@ -352,7 +352,7 @@ class KChooser:
         if cost is None:
             key = (id(target), id(draft), compile)
             if key not in _COSTS:
-                from sampling.cost import measure_costs
+                from draftsmith.sampling.cost import measure_costs
 
                 _COSTS[key] = measure_costs(target, draft, ks=range(1, k_max + 1), reps=5, compile=compile)
             cost = _COSTS[key]

@@ -1,4 +1,4 @@
-"""Statistics of one generation call, named as in DESIGN.md section 2."""
+"""Statistics of one generation call, named as in docs/design.md."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def plot(rows: list[dict], path: Path, minutes: float) -> None:
     cap = sorted((r for r in rows if r["data"] == WINNER["data"] and r["loss"] == WINNER["loss"]),
                  key=lambda r: r["draft.layers"])
     if len({r["draft.layers"] for r in cap}) >= 2:
-        from sampling.cost import predicted_speedup
+        from draftsmith.sampling.cost import predicted_speedup
 
         ax = axes[1]
         for ps, color in (("code", "tab:blue"), ("english", "tab:orange")):

@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
-from sampling import autoregressive_generate, speculative_generate
-from sampling.compiled import check_compilable
-from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.feature import is_feature_draft
-from sampling.models import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
-from sampling.precision import describe_run, run_info
-from sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
-from sampling.stats import summary
-from train.evaluate import load_prompts
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.compiled import check_compilable
+from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
+from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.prompts import load_prompts
+from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
+from draftsmith.sampling.stats import summary
 
 DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
 
@@ -42,7 +42,7 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
     try:
         return prune_from_dir(draft, draft_dir, n, [tok.eos_token_id])
     except FileNotFoundError:  # a run that predates saved counts: recount the default corpus (cached)
-        from train.corpus import load_blocks
+        from draftsmith.train.corpus import load_blocks
 
         print("token counts not in the draft dir: counting the stdlib corpus", file=sys.stderr)
         counts = torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))

@@ -30,8 +30,8 @@ def _kv_bytes_per_token(model) -> int:
 
 
 def child(target_name: str, draft_name: str, tokens: int, batch: int, k: int, dtype: str) -> dict:
-    from sampling import speculative_generate
-    from sampling.models import load_model, load_tokenizer
+    from draftsmith.sampling import speculative_generate
+    from draftsmith.sampling.load import load_model, load_tokenizer
 
     target, draft = load_model(target_name, dtype), load_model(draft_name, dtype)
     tok = load_tokenizer(target_name)
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.target, args.draft, args.child, args.batch, args.k, args.dtype)))
         return 0
-    from sampling.precision import machine
+    from draftsmith.sampling.machine import machine
 
     print(f"{machine()['cpu']}, {args.dtype}, batch {args.batch}, K {args.k}")
     print(f"{'tokens':>7} {'RSS loaded MB':>14} {'peak RSS MB':>12} {'growth MB':>10} {'KV caches MB':>13} "

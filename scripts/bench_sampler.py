@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from sampling import autoregressive_generate, speculative_generate
-from sampling.compiled import compile_report
-from sampling.cost import measure_costs
-from sampling.models import DTYPE_CHOICES, load_model, load_tokenizer
-from sampling.precision import describe_run, run_info
-from sampling.stats import summary
-from train.models import truncated_target
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.compiled import compile_report
+from draftsmith.sampling.cost import measure_costs
+from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.stats import summary
+from draftsmith.train.build import truncated_target
 
 PROMPTS = [
     "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",

@@ -6,7 +6,7 @@
 
 import sys
 
-from train.conformance import main
+from draftsmith.deploy.conformance import main
 
 if __name__ == "__main__":
     sys.exit(main())

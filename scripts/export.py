@@ -6,7 +6,7 @@
 
 import sys
 
-from train.export import main
+from draftsmith.deploy.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

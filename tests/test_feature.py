@@ -15,11 +15,11 @@ import torch
 from conftest import tiny_llama
 from test_exactness import Dist, pvalue, sample_counts, speculative_sequences, target_sequences, tv
 
-import sampling.rejection as rejection
-import sampling.speculative as speculative
-from sampling import autoregressive_generate, speculative_generate
-from sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
-from sampling.probs import SamplingConfig, process_logits
+import draftsmith.sampling.rejection as rejection
+import draftsmith.sampling.speculative as speculative
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
+from draftsmith.sampling.probs import SamplingConfig, process_logits
 
 V = 5
 
@@ -122,9 +122,9 @@ def test_feature_draft_passes_chi_square(pair, k, setting, prompt):
 
 def test_feature_draft_stays_exact_with_compacted_caches(pair, monkeypatch):
     """Holes compacted after every loop that leaves any: the feature draft's cache too (its one layer)."""
-    import sampling.cache
-    import sampling.speculative as spec
-    from sampling.feature import FeatureCache
+    import draftsmith.sampling.speculative as spec
+    from draftsmith import sampling
+    from draftsmith.sampling.feature import FeatureCache
 
     target, draft = pair
     compacted = []

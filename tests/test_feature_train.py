@@ -9,12 +9,12 @@ from conftest import run_entry, tiny_llama
 from helpers import fit_losses
 from test_feature import FeatureDist, feature_draft
 
-from sampling.feature import FeatureTap
-from sampling.probs import SamplingConfig, process_logits
-from sampling.rejection import expected_acceptance
-from train.feature import build_feature_draft, feature_alpha, teacher_pass, unrolled
-from train.losses import draft_loss
-from train.onpolicy import Batch
+from draftsmith.sampling.feature import FeatureTap
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.train.feature import build_feature_draft, feature_alpha, teacher_pass, unrolled
+from draftsmith.train.losses import draft_loss
+from draftsmith.train.onpolicy import Batch
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_training_moves_the_draft_towards_the_target():
     draft = build_feature_draft(target, freeze_head=False)
     before_target = {k: v.clone() for k, v in target.state_dict().items()}
     cfg = SamplingConfig(0.8)
-    from sampling import autoregressive_generate
+    from draftsmith.sampling import autoregressive_generate
 
     gen = autoregressive_generate(target, torch.zeros(16, 1, dtype=torch.long), max_new_tokens=24, temperature=0.8,
                                   generator=torch.Generator().manual_seed(0))
@@ -99,8 +99,8 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
     """Real Lightning fit of a pruned feature draft, 3 epochs of 2 batches: with loss.teacher_topk the target runs
     in the first epoch only (its features and head-restricted logits kept), and the losses follow those of the
     run that asks the target every step (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
-    from train.module import DraftModule
-    from train.teacher import TeacherCache
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.teacher import TeacherCache
 
     blocks = torch.randint(0, 30, (8, 12), generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(blocks.flatten(), minlength=30).double()
@@ -123,8 +123,8 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
 def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
     """draft.step_decay (EAGLE-3's 0.8): step s of the training-time test weighs step_decay ** s in the loss, and
     step_decay = 1 leaves the plain mean; a decay outside (0, 1] is refused."""
-    from train.models import DraftConfig
-    from train.module import DraftModule
+    from draftsmith.train.build import DraftConfig
+    from draftsmith.train.module import DraftModule
 
     target, draft = pair
     ids = torch.randint(0, 30, (2, 10), generator=torch.Generator().manual_seed(3))
@@ -154,10 +154,10 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
     """draft.feature_noise (EAGLE-1's): each of the three feature blocks gets U(-a, a) x its own per-token RMS (a
     block 1e4 times larger gets noise 1e4 times larger), centred, fresh each call; training reads the noisy
     features, and a noise of 0 or outside [0, 1) is none or refused."""
-    from train import module as module_lib
-    from train.feature import noisy_features
-    from train.models import DraftConfig
-    from train.module import DraftModule
+    from draftsmith.train import module as module_lib
+    from draftsmith.train.build import DraftConfig
+    from draftsmith.train.feature import noisy_features
+    from draftsmith.train.module import DraftModule
 
     g = torch.Generator().manual_seed(0)
     scales = torch.tensor([1e4, 1.0, 20.0])
@@ -195,8 +195,8 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
 def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
     """On the target's own samples (as recipe=feature_head): its logits and features kept as it sampled them fill
     the teacher cache, so the first epoch runs no teacher pass over those blocks."""
-    from sampling.feature import FeatureDraft
-    from sampling.models import load_model
+    from draftsmith.sampling.feature import FeatureDraft
+    from draftsmith.sampling.load import load_model
 
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not continued from a cache
     run = tmp_path / "run"
@@ -229,8 +229,9 @@ def test_what_a_feature_draft_cannot_do_is_refused(override, message):
     from conftest import ROOT
     from hydra import compose, initialize_config_dir
 
-    from sampling.models import load_tokenizer
-    from train.setup import SetupError, check_data
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.train.data import check_data
+    from draftsmith.train.rundir import SetupError
 
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("draft", ["recipe=smoke", "draft=feature_head", override])

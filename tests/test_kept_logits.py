@@ -9,16 +9,23 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from sampling import autoregressive_generate
-from train.corpus import _POS_BITS, generate_corpus, load_blocks, prefill_teacher, sampled_logits, sampled_rows
-from train.teacher import TeacherCache
+from draftsmith.sampling import autoregressive_generate
+from draftsmith.train.corpus import (
+    _POS_BITS,
+    generate_corpus,
+    load_blocks,
+    prefill_teacher,
+    sampled_logits,
+    sampled_rows,
+)
+from draftsmith.train.teacher import TeacherCache
 
 PROMPTS = ["def a():", "import os", "class B:", "x = 1", "for i in range(3):", "# hello"]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from sampling.models import load_model, load_tokenizer
+    from draftsmith.sampling.load import load_model, load_tokenizer
 
     return load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
 
@@ -122,9 +129,9 @@ def test_kept_logits_are_ignored_for_rows_they_do_not_match(tmp_path, tiny):
 def test_positions_without_a_teacher_carry_no_loss():
     """A kept block's unknown positions: the teacher stands in as the draft itself (every divergence 0) and the
     label is ignored; the known ones keep the cache's logits."""
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
-    from train.onpolicy import Batch
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.onpolicy import Batch
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
@@ -168,7 +175,7 @@ def test_kept_features_are_the_targets_hidden_states_at_each_position(tiny, kept
     """generate_corpus(keep_features) keeps, at every position the target ran on (the prompt's and each sampled
     token's), the hidden states a teacher-forced pass over that sample alone gives there; only the seams and the last
     token of a capped sample (never fed back) have none, and every position with a kept teacher has its feature."""
-    from sampling.feature import FeatureTap
+    from draftsmith.sampling.feature import FeatureTap
 
     tok, target = tiny
     path, rows, blocks, cache = kept_features
@@ -201,9 +208,9 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     """A feature draft's step on kept blocks runs no target (it has none here); slots whose teacher or feature was
     not kept carry no loss (the draft's own logits as teacher, label ignored), and what lies at a position without
     a feature never reaches the slots that carry the loss."""
-    from train.feature import build_feature_draft
-    from train.module import DraftModule
-    from train.onpolicy import Batch
+    from draftsmith.train.feature import build_feature_draft
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.onpolicy import Batch
 
     tok, target = tiny
     path, rows, blocks, cache = kept_features

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from sampling import autoregressive_generate, speculative_generate
-from sampling.kernels import FEW_ROWS, KERNELS, ROWS, calibrate, install
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.kernels import FEW_ROWS, KERNELS, ROWS, calibrate, install
 from tests.conftest import tiny_llama
 
 FORCED = [{r: ("onednn" if r == 1 else "transposed") for r in ROWS},
@@ -99,7 +99,7 @@ def test_choices_are_timed_once_per_machine_and_a_damaged_cache_is_timed_again(t
     def untimed(*a, **k):
         raise AssertionError("timed again although the cache holds the table")
 
-    monkeypatch.setattr("sampling.kernels.calibrate", untimed)
+    monkeypatch.setattr("draftsmith.sampling.kernels.calibrate", untimed)
     install(nn.Sequential(nn.Linear(576, 2048, bias=False)), step=untimed, cache=cache)
     cache.write_text("{not json")
     with pytest.raises(AssertionError, match="timed again"):

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from train.conformance import open_bundle
+from draftsmith.deploy.conformance import open_bundle
 
 GENERATE = """
 import sys
-from sampling.models import load_model, load_tokenizer
-from train.corpus import generate_corpus
+from draftsmith.sampling.load import load_model, load_tokenizer
+from draftsmith.train.corpus import generate_corpus
 prompts = [f"prompt {i}:" for i in range(int(sys.argv[2]))]
 generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"), prompts, sys.argv[1],
                 max_new_tokens=24, batch_size=4, progress=False)
@@ -41,8 +41,8 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
 
 
 def _generate(path, n):
-    from sampling.models import load_model, load_tokenizer
-    from train.corpus import generate_corpus
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.train.corpus import generate_corpus
 
     generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"),
                     [f"prompt {i}:" for i in range(n)], path, max_new_tokens=24, batch_size=4, progress=False)
@@ -62,14 +62,14 @@ def test_generation_killed_midway_resumes_to_the_uninterrupted_file(tmp_path):
 
 EXPORT = """
 import sys
-from train.export import export
+from draftsmith.deploy.export import export
 export(sys.argv[1], sys.argv[2], n_prompts=1, max_new_tokens=8, ks=(1, 2))
 """
 
 
 @pytest.fixture(scope="module")
 def first_bundle(smoke_run, tmp_path_factory):
-    from train.export import export
+    from draftsmith.deploy.export import export
 
     run_dir, _ = smoke_run
     out = tmp_path_factory.mktemp("kill") / "pair"
@@ -78,7 +78,7 @@ def first_bundle(smoke_run, tmp_path_factory):
 
 
 def test_export_killed_midway_leaves_the_previous_bundle_and_the_next_export_cleans_up(first_bundle):
-    from train.export import export
+    from draftsmith.deploy.export import export
 
     run_dir, out = first_bundle
     before = json.loads((out / "speculative.json").read_text())["files"]
@@ -104,7 +104,7 @@ def test_two_exports_to_one_place_both_land_whole(first_bundle):
 CLAIM = """
 import sys, time
 from pathlib import Path
-from train.setup import claim_run_dir
+from draftsmith.train.rundir import claim_run_dir
 claim_run_dir(Path(sys.argv[1]))
 print("claimed", flush=True)
 time.sleep(600)
@@ -112,7 +112,7 @@ time.sleep(600)
 
 
 def test_a_run_dir_is_held_by_one_run_and_freed_when_that_run_is_killed(tmp_path):
-    from train.setup import SetupError, claim_run_dir
+    from draftsmith.train.rundir import SetupError, claim_run_dir
 
     proc = subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "claimed"
@@ -128,7 +128,7 @@ def test_runs_started_in_the_same_second_get_their_own_run_dirs():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import train.draft  # noqa: F401  (registers the resolver the default run dir uses)
+    import draftsmith.train.draft  # noqa: F401  (registers the resolver the default run dir uses)
 
     with initialize_config_dir(str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("draft", return_hydra_config=True)
@@ -139,8 +139,8 @@ def test_runs_started_in_the_same_second_get_their_own_run_dirs():
 TOKENIZE = """
 import sys
 from pathlib import Path
-from sampling.models import load_tokenizer
-from train.corpus import load_blocks
+from draftsmith.sampling.load import load_tokenizer
+from draftsmith.train.corpus import load_blocks
 tok = load_tokenizer("tiny-random")
 Path(sys.argv[2]).touch()
 load_blocks(sys.argv[1], tok, 64)
@@ -152,8 +152,8 @@ def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebui
     uninterrupted run builds; a cache file damaged on disk is rebuilt, not read."""
     import torch
 
-    from sampling.models import load_tokenizer
-    from train.corpus import blocks_cache, load_blocks
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.train.corpus import blocks_cache, load_blocks
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from sampling.probs import SamplingConfig, process_logits
-from sampling.rejection import expected_acceptance
-from train import losses
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.train import losses
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_bad_loss_config_is_refused(logits, weights, msg):
 
 
 def test_the_teacher_cache_asks_the_target_once_per_block_and_keeps_its_distribution():
-    from train.teacher import TeacherCache
+    from draftsmith.train.teacher import TeacherCache
 
     g = torch.Generator().manual_seed(1)
     true = torch.randn(4, 6, 50, generator=g) * 3  # 4 blocks, 6 label positions, V 50

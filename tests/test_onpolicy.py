@@ -10,9 +10,9 @@ import torch
 from conftest import run_entry, tiny_llama
 from torch.utils.data import DataLoader, TensorDataset
 
-from sampling.probs import SamplingConfig, process_logits
-from train.evaluate import alpha_on_samples, target_samples
-from train.onpolicy import Batch, OnPolicy
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.train.evaluate import alpha_on_samples, target_samples
+from draftsmith.train.onpolicy import Batch, OnPolicy
 
 V = 32
 
@@ -100,8 +100,8 @@ def test_rows_are_sampled_a_buffer_at_a_time():
 
 
 def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
 
     target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
@@ -127,9 +127,9 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
 def test_a_mixed_batch_runs_the_target_on_the_drafts_rows_only_and_keeps_the_corpus_rows():
     """With a teacher cache the corpus rows of a mixed batch come from it (after their first visit), and the
     target scores only the draft's fresh rows: the logits equal a direct teacher pass on each part."""
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
-    from train.teacher import TeacherCache
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
@@ -232,7 +232,7 @@ def test_shipped_training_prompts_hold_no_eval_prompt_and_any_prefix_is_half_cod
     """The code and english sets measure drafts on prompts they never trained on: no training prompt is one of
     them or defines one of their functions. A time-limited sampler reaches a prefix of broad.jsonl: past its 126
     hand-written prompts (train.jsonl's, English first), any prefix is about half code."""
-    from train.evaluate import load_prompts
+    from draftsmith.sampling.prompts import load_prompts
 
     held = [r["prompt"] for s in ("code", "english") for r in load_prompts(s)]
     names = {p.split("def ")[1].split("(")[0] for p in held if "def " in p} - {"__init__"}

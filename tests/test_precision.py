@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from sampling import precision
+from draftsmith.sampling import precision
 
 SLOW = {"train": {"fp32": 10.0, "bf16": 650.0}, "teacher": {"fp32": 5.0, "bf16": 320.0},
         "screen": {"fp32": 1.0, "bf16": 65.0}}  # an AVX2-only CPU: bf16 GEMM is the reference fallback
@@ -165,7 +165,7 @@ def test_real_decode_probe_on_a_tiny_model(home):
 
 
 def test_load_model_auto_roles(home, monkeypatch):
-    from sampling.models import load_model
+    from draftsmith.sampling.load import load_model
 
     stub_probe(monkeypatch, SLOW)
     monkeypatch.setattr(precision, "_decode_ms", lambda m, k, **kw: {torch.float32: 10.0,

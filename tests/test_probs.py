@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.probs import SamplingConfig, process_logits
 
 
 def reference(logits, t, k, p):

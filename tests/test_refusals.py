@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_cli import cli
 
-from sampling.models import ModelNotFound, load_model, resolve
+from draftsmith.sampling.load import ModelNotFound, load_model, resolve
 
 
 @pytest.fixture()
@@ -48,7 +48,7 @@ def test_generate_k_auto_and_feature_draft_refusals(tmp_path):
     from conftest import tiny_llama  # noqa: F401  (conftest sets threads)
     from test_feature import feature_draft
 
-    from sampling.models import load_tokenizer
+    from draftsmith.sampling.load import load_tokenizer
 
     target = load_model("tiny-random", "fp32")
     draft = feature_draft(target, scale=1.0)
@@ -59,7 +59,7 @@ def test_generate_k_auto_and_feature_draft_refusals(tmp_path):
     assert json.loads(ok.stdout)["stats"]["k_per_loop"]
     bad = cli("--draft", str(tmp_path / "f"), "--prompt", "x", "--draft-vocab", "64")
     assert bad.returncode == 2 and "feature draft's head is chosen in training" in bad.stderr
-    from sampling.generate import _k
+    from draftsmith.sampling.generate import _k
 
     with pytest.raises(ValueError, match="'auto'"):
         _k("two")
@@ -69,7 +69,7 @@ def test_nonfinite_loss_skips_steps_then_stops():
     """A NaN loss: the step is skipped (no backward, no update) and counted; five in a row stop the run."""
     from conftest import tiny_llama
 
-    from train.module import DraftModule
+    from draftsmith.train.module import DraftModule
 
     target, draft = tiny_llama(vocab=20), tiny_llama(vocab=20, layers=1, seed=1)
     module = DraftModule(draft, target, loss={"weights": {"ce": 1.0}, "distill": False, "compile": False},
@@ -77,7 +77,7 @@ def test_nonfinite_loss_skips_steps_then_stops():
     module.log = lambda *a, **k: None  # no trainer attached
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     ids = torch.randint(0, 20, (2, 8))
-    import train.module as m
+    import draftsmith.train.module as m
 
     real = m.draft_loss
     m.draft_loss = lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), {})
@@ -100,18 +100,18 @@ def test_checkpoint_survives_sigkill_mid_write(tmp_path):
     import sys
     import time
 
-    from train.setup import AtomicCheckpointIO
+    from draftsmith.train.rundir import AtomicCheckpointIO
 
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 0}, path)
-    code = ("import torch, sys; from train.setup import AtomicCheckpointIO; io = AtomicCheckpointIO(); x = "
+    code = ("import torch, sys; from draftsmith.train.rundir import AtomicCheckpointIO; io = AtomicCheckpointIO(); x = "
             "torch.randn(25_000_000)\nfor i in range(1, 1000): io.save_checkpoint({'global_step': i, 'x': x}, "
             "sys.argv[1])")
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
-    partial, t0, biggest = tmp_path / ".last.ckpt.partial", time.time(), 0
+    t0, biggest = time.time(), 0
     while time.time() - t0 < 60:  # until a write is in flight: a partial file, or the real one being rewritten
         size = path.stat().st_size if path.exists() else 0
-        if partial.exists() or size < biggest:
+        if list(tmp_path.glob(".last.ckpt.*partial")) or size < biggest:
             break
         biggest = max(biggest, size if size > 10_000_000 else 0)
     proc.send_signal(signal.SIGKILL)
@@ -126,7 +126,7 @@ def test_crafted_and_foreign_checkpoints_are_refused_never_run(tmp_path):
     import os
     import pickle
 
-    from train.setup import SetupError, resume_checkpoint
+    from draftsmith.train.rundir import SetupError, resume_checkpoint
 
     marker = tmp_path / "pwned"
 
@@ -170,7 +170,7 @@ def test_resume_from_a_truncated_checkpoint_names_the_good_one(smoke_run, tmp_pa
     (lambda d: (d / "tokenizer.json").write_bytes(b"\x00\xff binary"), "the tokenizer files are not readable"),
 ], ids=["safetensors-header", "safetensors-cut", "config", "tokenizer"])
 def test_damaged_checkpoint_files_are_named(tiny_copy, damage, message):
-    from sampling.models import load_tokenizer
+    from draftsmith.sampling.load import load_tokenizer
 
     damage(tiny_copy)
     with pytest.raises(ModelNotFound, match=message) as e:
@@ -183,7 +183,7 @@ def test_truncated_gguf_is_refused_before_conversion(tmp_path):
     import numpy as np
     from gguf import GGUFWriter
 
-    from sampling.models import cache_home
+    from draftsmith.sampling.machine import cache_home
 
     f = tmp_path / "m.gguf"
     w = GGUFWriter(str(f), "llama")
@@ -205,7 +205,7 @@ def test_truncated_gguf_is_refused_before_conversion(tmp_path):
     ("cut.parquet", b"PAR1 not really a parquet file", "as parquet"),
 ])
 def test_damaged_corpus_files_are_named(tmp_path, name, data, message):
-    from train.corpus import CorpusError, _documents
+    from draftsmith.train.corpus import CorpusError, _documents
 
     (tmp_path / name).write_bytes(data)
     with pytest.raises(CorpusError, match=message) as e:
@@ -217,7 +217,7 @@ def test_a_parquet_without_the_text_field_is_named_and_an_empty_jsonl_line_loses
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from train.corpus import CorpusError, _documents
+    from draftsmith.train.corpus import CorpusError, _documents
 
     pq.write_table(pa.table({"content": ["def f(): pass", "x = 1"]}), tmp_path / "code.parquet")
     with pytest.raises(CorpusError, match=r"code.parquet has no 'text' column \(it has \['content'\]\); "

@@ -1,10 +1,10 @@
-"""The rejection step's algebra, exactly, and its sampling, statistically (DESIGN.md invariant 6)."""
+"""The rejection step's algebra, exactly, and its sampling, statistically (docs/design.md invariant 6)."""
 
 import pytest
 import torch
 from helpers import chi2_pvalue
 
-from sampling.rejection import acceptance_probability, expected_acceptance, residual, verify
+from draftsmith.sampling.rejection import acceptance_probability, expected_acceptance, residual, verify
 
 
 def pairs():

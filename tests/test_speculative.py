@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_llama
 from transformers import LlamaConfig
 
-from sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling import autoregressive_generate, speculative_generate
 
 
 class MarkovStub(torch.nn.Module):
@@ -168,7 +168,7 @@ def test_vocabulary_mismatch_is_refused():
 @pytest.mark.demo
 def test_demo_target_greedy_is_identical_to_its_own_greedy(demo_target):
     """Temperature 0 on SmolLM2-135M (fp32): SpS output == the target's greedy decoding, token for token."""
-    from sampling.models import load_model
+    from draftsmith.sampling.load import load_model
 
     model, tok = demo_target
     draft = load_model("smollm2-135m", "fp32")
@@ -185,9 +185,9 @@ def test_demo_target_greedy_is_identical_to_its_own_greedy(demo_target):
 
 @pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.8, 0, 0.95), (0.7, 3, 1.0), (0.0, 0, 1.0), (1.0, 50, 0.5)])
 def test_pruned_head_processed_over_its_subset_equals_the_padded_vocabulary(setting):
-    from sampling.probs import SamplingConfig, process_logits
-    from sampling.pruned import PrunedOutput
-    from sampling.speculative import last_probs
+    from draftsmith.sampling.probs import SamplingConfig, process_logits
+    from draftsmith.sampling.pruned import PrunedOutput
+    from draftsmith.sampling.speculative import last_probs
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randperm(300, generator=g)[:40].sort().values

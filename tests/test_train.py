@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS
+from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -38,8 +38,8 @@ def compose_cfg(*overrides):
 def test_every_recipe_file_composes_and_instantiates(group, name):
     cfg = compose_cfg(f"{group}={name}")
     OmegaConf.resolve(cfg)
-    from train.models import DraftConfig
-    from train.setup import loggers
+    from draftsmith.train.build import DraftConfig
+    from draftsmith.train.tracking import loggers
 
     DraftConfig(**OmegaConf.to_container(cfg.draft))
     kwargs = OmegaConf.to_container(cfg.trainer)
@@ -52,7 +52,7 @@ def test_every_recipe_file_composes_and_instantiates(group, name):
         DeepSpeedConfig(ds)  # validates stage, offload and batch keys as DeepSpeed itself would
         assert ds["zero_optimization"]["stage"] == int(name[-1])
     if kwargs["accelerator"] == "cpu":
-        from sampling.precision import trainer_precision
+        from draftsmith.sampling.precision import trainer_precision
 
         kwargs["precision"] = trainer_precision(kwargs["precision"], "cpu")  # `auto`, resolved as train/draft.py does
         kwargs.update(logger=loggers(OmegaConf.create({"logger": {"csv": True, "wandb": None}}), Path("/tmp")),
@@ -71,7 +71,7 @@ def test_recipe_overrides_reach_the_config():
 def test_draft_is_shallow_and_wide_from_the_targets_config():
     from transformers import LlamaConfig
 
-    from train.models import DraftConfig, draft_config_for
+    from draftsmith.train.build import DraftConfig, draft_config_for
 
     paper_target = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                                intermediate_size=28672, vocab_size=32000)
@@ -93,8 +93,8 @@ def test_training_changes_the_draft_and_never_the_target(tmp_path):
     never enter the checkpoint."""
     from conftest import tiny_llama
 
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
@@ -120,9 +120,9 @@ def test_kept_teacher_logits_spare_the_target_after_the_first_epoch(tmp_path):
     and the losses follow the full teacher's (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
     from conftest import tiny_llama
 
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
-    from train.teacher import TeacherCache
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.teacher import TeacherCache
 
     blocks = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
     losses = {}
@@ -146,13 +146,13 @@ def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
     """draft.draft_vocab for an independent draft: the step computes only the head's rows (same numbers as the
     full head's), the teacher's kept logits come out in the head's order, validation runs the pruned draft, and
     the saved draft loads with that head (its other rows were never fitted), a damaged head file refused."""
-    from sampling.models import load_model, load_tokenizer
-    from sampling.pruned import HEAD_TOKENS, PrunedHeadDraft
-    from train.models import DraftConfig, build_draft
-    from train.module import DraftModule
-    from train.onpolicy import Batch
-    from train.report import save_draft
-    from train.teacher import TeacherCache
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.pruned import HEAD_TOKENS, PrunedHeadDraft
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.onpolicy import Batch
+    from draftsmith.train.report import save_draft
+    from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target", freeze_embeddings=True))
@@ -218,7 +218,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
 
 
 def test_a_draft_continues_from_a_saved_one(tmp_path):
-    from train.models import DraftConfig, build_draft
+    from draftsmith.train.build import DraftConfig, build_draft
 
     target = tiny_llama(vocab=64, layers=4)
     cfg = dict(layers=2, width_ratio=1.0, init="target", freeze_embeddings=True)
@@ -290,8 +290,8 @@ def test_unwritable_output_dir_is_refused(tmp_path):
 
 
 def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
-    from sampling.models import load_tokenizer
-    from train.corpus import load_blocks
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.train.corpus import load_blocks
 
     tok = load_tokenizer("tiny-random")
     texts = [f"def f{i}(x):\n    return x * {i}\n" * 20 for i in range(40)]
@@ -313,8 +313,8 @@ def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
 
 
 def test_generated_corpus_is_resumable(tmp_path):
-    from sampling.models import load_model, load_tokenizer
-    from train.corpus import generate_corpus
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.train.corpus import generate_corpus
 
     tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
     path = tmp_path / "gen.jsonl"
@@ -327,8 +327,8 @@ def test_generated_corpus_is_resumable(tmp_path):
 
 
 def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_same_file(tmp_path):
-    from sampling.models import load_model, load_tokenizer
-    from train.corpus import generate_corpus
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.train.corpus import generate_corpus
 
     tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
     prompts = ["def a():", "import os", "class B:"]

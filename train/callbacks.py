@@ -10,12 +10,12 @@ import lightning as L
 import torch
 from safetensors.torch import load_file, save_file
 
-from sampling import autoregressive_generate, speculative_generate
-from sampling.cost import measure_costs, predicted_speedup
-from sampling.feature import is_feature_draft
-from sampling.probs import SamplingConfig
-from train.evaluate import alpha_on_samples, target_samples
-from train.onpolicy import Batch
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.cost import measure_costs, predicted_speedup
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.train.evaluate import alpha_on_samples, target_samples
+from draftsmith.train.onpolicy import Batch
 
 
 class AcceptanceCallback(L.Callback):

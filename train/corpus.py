@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from sampling.models import cache_home, stdlib_sources
-from train.teacher import half_features, top_logprobs
+from draftsmith.sampling.load import stdlib_sources
+from draftsmith.sampling.machine import cache_home
+from draftsmith.train.teacher import half_features, top_logprobs
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -230,9 +231,9 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
 
     from tqdm import tqdm
 
-    from sampling import autoregressive_generate
-    from sampling.feature import FeatureTap
-    from train.evaluate import encode_batch
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.sampling.feature import FeatureTap
+    from draftsmith.sampling.prompts import encode_prompts
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +246,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress, desc=desc) as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start: start + batch_size]
-            ids, mask = encode_batch(tokenizer, [p for _, p in chunk])
+            ids, mask = encode_prompts(tokenizer, [p for _, p in chunk])
             g = torch.Generator().manual_seed(seed + done + start)
             kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
 

@@ -22,34 +22,23 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from sampling.feature import FeatureConfig
-from sampling.models import ModelNotFound, cache_home, load_model, load_tokenizer
-from sampling.precision import trainer_precision
-from sampling.pruned import top_tokens
-from train.callbacks import AcceptanceCallback
-from train.corpus import CorpusError, generate_corpus, load_blocks, prefill_teacher, sampled_rows
-from train.feature import build_feature_draft
-from train.models import DraftConfig, build_draft
-from train.module import DraftModule
-from train.onpolicy import OnPolicy
-from train.report import final_report, print_report
-from train.setup import (
-    AtomicCheckpointIO,
-    DataOrder,
-    SetupError,
-    check_data,
-    check_writable,
-    claim_run_dir,
-    loaders,
-    loggers,
-    on_target_prompts,
-    prompt_tensor,
-    prompt_texts,
-    resume_checkpoint,
-    split_prompts,
-    validation_prompts,
-)
-from train.teacher import TeacherCache
+from draftsmith.sampling.feature import FeatureConfig
+from draftsmith.sampling.load import ModelNotFound, load_model, load_tokenizer
+from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.precision import trainer_precision
+from draftsmith.sampling.pruned import top_tokens
+from draftsmith.train.build import DraftConfig, build_draft
+from draftsmith.train.callbacks import AcceptanceCallback
+from draftsmith.train.corpus import CorpusError, generate_corpus, load_blocks, prefill_teacher, sampled_rows
+from draftsmith.train.data import DataOrder, check_data, loaders, validation_prompts
+from draftsmith.train.feature import build_feature_draft
+from draftsmith.train.module import DraftModule
+from draftsmith.train.onpolicy import OnPolicy
+from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
+from draftsmith.train.report import final_report, print_report
+from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
+from draftsmith.train.teacher import TeacherCache
+from draftsmith.train.tracking import loggers
 
 log = logging.getLogger("draftsmith")
 
@@ -218,7 +207,12 @@ def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
-@hydra.main(version_base="1.3", config_path="../recipes", config_name="draft")
+# an absolute path: `recipes/` sits beside this package in the checkout and in the installed wheel alike, and the
+# path works for `python train/draft.py`, `python -m draftsmith.train.draft` and `draftsmith-train`
+RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
+
+
+@hydra.main(version_base="1.3", config_path=RECIPES, config_name="draft")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:

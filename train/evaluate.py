@@ -2,58 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
-from sampling import autoregressive_generate, speculative_generate
-from sampling.feature import is_feature_draft
-from sampling.probs import SamplingConfig, process_logits
-from sampling.rejection import expected_acceptance
-from train.feature import feature_alpha
-from train.onpolicy import Batch
-
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "prompts"
-
-
-def load_prompts(name_or_path: str, n: int | None = None) -> list[dict]:
-    """A shipped prompt set (`code`, `english`) or any JSONL file with a `prompt` field."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = PROMPTS_DIR / f"{name_or_path}.jsonl"
-    if not path.is_file():
-        shipped = ", ".join(p.stem for p in sorted(PROMPTS_DIR.glob("*.jsonl")))
-        raise ValueError(f"prompt set not found: {name_or_path} (shipped: {shipped}, or a .jsonl path)")
-    rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1}: not a JSON object ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{i + 1}: not a JSON object")
-        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ValueError(f"{path}:{i + 1}: each line needs a non-empty string field 'prompt'")
-        rows.append({"prompt": row["prompt"], "domain": row.get("domain", path.stem)})
-    if not rows:
-        raise ValueError(f"{path} holds no usable prompt (JSONL, one object with a 'prompt' string per line)")
-    return rows[:n] if n else rows
-
-
-def encode_batch(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and attention mask, so a batch of prompts of different lengths decodes together."""
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    return enc.input_ids, enc.attention_mask
+from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
+from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.train.feature import feature_alpha
+from draftsmith.train.onpolicy import Batch
 
 
 def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int | None, k: int, temperature: float,
@@ -71,7 +28,7 @@ def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperat
     """alpha, alpha_analytic (on the sampler's own trajectories), tokens_per_call over a batch of prompts; with
     on_target, also `alpha_on_target` (teacher-forced on the target's own samples of the same prompts: no
     sampling noise, so small differences between drafts are visible)."""
-    ids, mask = encode_batch(tokenizer, prompts)
+    ids, mask = encode_prompts(tokenizer, prompts)
     gen = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=max_new_tokens, k=k,
                                temperature=temperature, top_p=top_p, top_k=top_k,
                                generator=torch.Generator().manual_seed(seed))
@@ -81,7 +38,7 @@ def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperat
     if on_target:
         samples = target_samples(target, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id or 0, seed=seed + 1)
+                                 pad_token_id=pad_id(tokenizer), seed=seed + 1)
         out["alpha_on_target"] = alpha_on_samples(target, draft, samples, SamplingConfig(temperature, top_k, top_p),
                                                   k=k)
     return out
@@ -111,7 +68,7 @@ def target_samples(target, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, 
 def alpha_on_samples(target, draft, samples: Batch, cfg: SamplingConfig, chunk: int = 512, k: int = 4) -> float:
     """Teacher-forced alpha_analytic (mean of sum_x min(p, q) over the processed distributions) on the positions
     of `samples.loss_mask`: one batched forward of each model. On the target's own samples it is
-    `alpha_on_target` (DESIGN.md section 2): what the sampler will meet, with no sampling noise. A feature draft's
+    `alpha_on_target` (docs/design.md): what the sampler will meet, with no sampling noise. A feature draft's
     is the mean over its k drafting steps, each unrolled on its own outputs as the sampler runs it."""
     if is_feature_draft(draft):
         steps = feature_alpha(target, draft, samples, cfg, k)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
-from sampling.probs import SamplingConfig, process_logits
-from sampling.rejection import expected_acceptance
-from train.onpolicy import Batch
+from draftsmith.sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.train.onpolicy import Batch
 
 
 def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = None, token_counts=None,

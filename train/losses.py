@@ -1,9 +1,9 @@
 """Distillation objectives between draft logits and the frozen target's logits. Pure functions.
 
 Shapes: (N, V) logits for N positions. p = draft, q = target, as in `sampling/`.
-Acceptance of a draft token is exactly 1 - TV(p, q) (Chen et al. 2023; DESIGN.md section 2), so `tv` is the
+Acceptance of a draft token is exactly 1 - TV(p, q) (Chen et al. 2023; docs/design.md), so `tv` is the
 direct objective; but its gradient vanishes where the draft puts no mass, which is everywhere at
-initialisation, so a KL term carries the early phase (research/distill_spike.md).
+initialisation, so a KL term carries the early phase.
 """
 
 from __future__ import annotations

@@ -9,14 +9,21 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 
-from sampling.feature import is_feature_draft
-from sampling.probs import SamplingConfig, process_logits
-from sampling.pruned import PrunedHeadDraft
-from sampling.rejection import expected_acceptance
-from train.feature import feature_alpha, feature_batch, noisy_features, target_outputs, teacher_pass, unrolled
-from train.losses import draft_loss
-from train.onpolicy import Batch, OnPolicy
-from train.teacher import TeacherCache
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.pruned import PrunedHeadDraft
+from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.train.feature import (
+    feature_alpha,
+    feature_batch,
+    noisy_features,
+    target_outputs,
+    teacher_pass,
+    unrolled,
+)
+from draftsmith.train.losses import draft_loss
+from draftsmith.train.onpolicy import Batch, OnPolicy
+from draftsmith.train.teacher import TeacherCache
 
 
 class DraftModule(L.LightningModule):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling import autoregressive_generate
+from draftsmith.sampling import autoregressive_generate
 
 
 @dataclass

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from sampling.cost import measure_costs, predicted_speedup
-from sampling.precision import describe_run, run_info
-from sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
-from train.evaluate import acceptance_by_set
-from train.models import truncated_target
+from draftsmith.sampling.cost import measure_costs, predicted_speedup
+from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
+from draftsmith.train.build import truncated_target
+from draftsmith.train.evaluate import acceptance_by_set
 
 
 def draft_from_checkpoint(draft, ckpt_path: str):

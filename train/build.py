@@ -94,7 +94,7 @@ def build_draft(target, cfg: DraftConfig):
     if cfg.init == "target":
         n_t, n_d = target.config.num_hidden_layers, config.num_hidden_layers
         # Default: the first layers and the last one; the last target layer produces the residual the (shared)
-        # head expects (research/distill_spike.md: [0, 29] for a 2-layer SmolLM2 draft reached alpha 0.49).
+        # head expects.
         picks = cfg.init_layers or [*range(n_d - 1), n_t - 1]
         if len(picks) != n_d or not all(0 <= i < n_t for i in picks):
             raise ValueError(f"draft.init_layers must list {n_d} target layer indices in [0, {n_t}), got {picks}")
@@ -122,7 +122,7 @@ def _load_weights(draft, path: str) -> None:
     """Copy a saved draft's weights into `draft` (same shapes), refusing any other checkpoint in one line."""
     from safetensors.torch import load_file
 
-    from sampling.models import check_weight_files, resolve
+    from draftsmith.sampling.load import check_weight_files, resolve
 
     src = resolve(path)
     check_weight_files(src)

@@ -1,4 +1,4 @@
-"""The engines a bundle is deployed to, behind one interface that `train.conformance` judges.
+"""The engines a bundle is deployed to, behind one interface that `deploy.conformance` judges.
 
 An engine runs a list of `Job`s with speculative decoding on or off and hands back the sampled token ids:
 - draftsmith: our sampler (`sampling.speculative`), in this process;
@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from sampling.feature import is_feature_dir
-from sampling.models import cache_home, load_model
-from sampling.pruned import split_head
-from sampling.speculative import autoregressive_generate, speculative_generate
+from draftsmith.deploy.bundle import files_sha256
+from draftsmith.sampling.feature import is_feature_dir
+from draftsmith.sampling.load import load_model
+from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.pruned import split_head
+from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
 VLLM_INSTALL = "bash scripts/install_vllm.sh"
 LLAMACPP_INSTALL = "bash scripts/install_llamacpp.sh"
@@ -268,8 +270,6 @@ class LlamaCppEngine(Engine):
 
     def gguf(self, model_dir: Path) -> Path:
         """The model converted to GGUF (f32) once, cached by the hash of its weights."""
-        from train.export import files_sha256
-
         names = [f.name for f in sorted(model_dir.glob("*.safetensors"))] + ["config.json"]
         out = llamacpp_home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}.gguf"
         if not out.is_file():

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,124 +29,16 @@ import numpy as np
 import torch
 from scipy import stats
 
-from sampling.feature import FeatureTap, is_feature_draft
-from sampling.models import ModelNotFound, load_model
-from sampling.precision import machine
-from sampling.probs import SamplingConfig, process_logits
-from sampling.speculative import last_probs
-from train.evaluate import load_prompts
+from draftsmith.deploy.bundle import Bundle, BundleError, open_bundle, write_card
+from draftsmith.deploy.stats import LEVEL, MIN_EXPECTED, chi2_power, chi2_pvalue, two_sample_pvalue
+from draftsmith.sampling.feature import FeatureTap, is_feature_draft
+from draftsmith.sampling.load import ModelNotFound, load_model
+from draftsmith.sampling.machine import machine
+from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.prompts import load_prompts
+from draftsmith.sampling.speculative import last_probs
 
-LEVEL = 1e-3  # per test: a false alarm in one run of a few settings stays well under 1%
-MIN_EXPECTED = 5  # cells with fewer expected draws are pooled (the chi-square approximation needs ~5)
 CHI_PROMPT = "def "
-UNCHECKED = ("speculative.json", "README.md")  # the card: deploy_check itself adds its results there
-
-
-class BundleError(ValueError):
-    pass
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def bundle_hashes(folder: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file of a bundle but its card."""
-    return {p.relative_to(folder).as_posix(): sha256(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() not in UNCHECKED}
-
-
-@dataclass
-class Bundle:
-    path: Path
-    spec: dict
-    target_dir: Path
-    draft_dir: Path
-
-
-def open_bundle(path) -> Bundle:
-    """A bundle as `scripts/export.py` wrote it; refused, naming the file, when one is missing or was edited."""
-    path = Path(path)
-    card = path / "speculative.json"
-    if not card.is_file():
-        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with scripts/export.py")
-    try:
-        spec = json.loads(card.read_text())
-    except ValueError as e:
-        raise BundleError(f"{card} is not valid JSON ({e}): export the bundle again") from None
-    files = spec.get("files")
-    if not files:
-        raise BundleError(f"{path} predates file hashes in bundles: export it again with scripts/export.py")
-    for rel, digest in files.items():
-        f = path / rel
-        if not f.is_file():
-            raise BundleError(f"{path}: {rel} is missing; the bundle is incomplete, export it again")
-        if sha256(f) != digest:
-            raise BundleError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
-    ref = json.loads((path / "target.json").read_text())
-    target_dir = path / "target" if ref["path"] == "target" else Path(ref["path"])
-    if not (target_dir / "config.json").is_file():
-        raise BundleError(f"the bundle's target {target_dir} is missing (target.json); re-export with --copy-target")
-    from train.export import files_sha256
-
-    if files_sha256(target_dir, ["config.json"]) != ref["config_sha256"]:
-        raise BundleError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
-                          "differs); export the bundle again")
-    return Bundle(path, spec, target_dir, path / "draft")
-
-
-# -- the statistics ---------------------------------------------------------------------------------------------
-def chi2_pvalue(counts, probs) -> float:
-    """Pearson chi-square p-value of observed counts against exact probabilities. Cells with zero probability must
-    be empty (a hit there is an exactness failure, p = 0); cells with small expected counts are pooled into one."""
-    counts, probs = np.asarray(counts, dtype=np.float64), np.asarray(probs, dtype=np.float64)
-    if counts[probs <= 0].sum() > 0:
-        return 0.0
-    obs, exp = _pooled(counts, probs / probs.sum() * counts.sum())
-    if len(obs) < 2:
-        return 1.0
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
-def _pooled(counts, expected):
-    big = expected >= MIN_EXPECTED
-    rest = ~big & (expected > 0)
-    obs = list(counts[big]) + ([counts[rest].sum()] if rest.any() else [])
-    exp = list(expected[big]) + ([expected[rest].sum()] if rest.any() else [])
-    return np.asarray(obs), np.asarray(exp)
-
-
-def chi2_power(null, alt, n: int, level: float = LEVEL) -> float:
-    """Power of `chi2_pvalue` at `level` with n draws when the draws follow `alt` instead of `null`
-    (noncentral chi-square, noncentrality n * sum (alt - null)^2 / null over the pooled cells)."""
-    null, alt = np.asarray(null, dtype=np.float64), np.asarray(alt, dtype=np.float64)
-    keep = null > 0
-    null, alt = null[keep], alt[keep]
-    big = null * n >= MIN_EXPECTED
-    if (~big).any():
-        null = np.append(null[big], null[~big].sum())
-        alt = np.append(alt[big], alt[~big].sum())
-    dof = len(null) - 1
-    if dof < 1:
-        return 0.0
-    lam = n * float(((alt - null) ** 2 / null).sum())
-    return float(stats.ncx2.sf(stats.chi2.isf(level, dof), dof, lam))
-
-
-def two_sample_pvalue(a: dict, b: dict) -> float:
-    """Homogeneity chi-square of two samples' counts over the same cells (small cells pooled)."""
-    keys = sorted(set(a) | set(b), key=str)
-    ca, cb = np.array([a.get(k, 0) for k in keys], float), np.array([b.get(k, 0) for k in keys], float)
-    big = (ca + cb) >= 2 * MIN_EXPECTED
-    table = [list(ca[big]) + [ca[~big].sum()], list(cb[big]) + [cb[~big].sum()]]
-    table = np.array(table)[:, np.array(table).sum(0) > 0]
-    if table.shape[1] < 2:
-        return 1.0
-    return float(stats.chi2_contingency(table)[1])
 
 
 @dataclass
@@ -277,7 +166,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     """Run the engine with and without the draft on every setting's jobs (one engine start per mode) and judge."""
     from transformers import AutoTokenizer
 
-    from train.engines import Job
+    from draftsmith.deploy.engines import Job
 
     tok = AutoTokenizer.from_pretrained(bundle.target_dir)
     reference = load_model(str(bundle.target_dir), "fp32")
@@ -388,39 +277,6 @@ def _judge_sampling(reference, draft, chi_prompt, cfg, draws, eos, plain_few, sp
             "logprob": logprob}
 
 
-# -- the card -----------------------------------------------------------------------------------------------------
-def write_card(bundle: Bundle, report: dict) -> None:
-    """Record the engine's results in speculative.json (`deployment`) and as a table in README.md."""
-    card = bundle.path / "speculative.json"
-    spec = json.loads(card.read_text())
-    spec.setdefault("deployment", {})[report["engine"]] = report
-    _atomic_write(card, json.dumps(spec, indent=2))
-    readme = bundle.path / "README.md"
-    text = readme.read_text() if readme.is_file() else ""
-    marker = "\n## Deployment checks\n"
-    text = text.split(marker)[0].rstrip("\n") + "\n" + marker + deployment_table(spec["deployment"])
-    _atomic_write(readme, text)
-
-
-def deployment_table(deployment: dict) -> str:
-    lines = ["", "Lossless speculative decoding, judged by `scripts/deploy_check.py` (draftsmith's tests).", "",
-             "| engine | version | setting | verdict | tokens/s plain | tokens/s speculative | speed-up | "
-             "acceptance (engine's count) |", "|---|---|---|---|---|---|---|---|"]
-    for name, rep in deployment.items():
-        for setting, r in rep["settings"].items():
-            acc = "" if r.get("engine_acceptance") is None else f"{r['engine_acceptance']:.3f}"
-            lines.append(f"| {name} | {rep['version']} | {setting} | {r['verdict']} | {r['tok_s_plain']:.1f} | "
-                         f"{r['tok_s_speculative']:.1f} | {r['speedup']:.2f}x | {acc} |")
-    cpu = next(iter(deployment.values()))["machine"].get("cpu", "")
-    return "\n".join(lines) + f"\n\nMeasured on: {cpu}; details in speculative.json, `deployment`.\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # -- the command ----------------------------------------------------------------------------------------------------
 def _setting(value: str) -> Setting:
     try:
@@ -431,7 +287,7 @@ def _setting(value: str) -> Setting:
 
 
 def main(argv=None) -> int:
-    from train.engines import ENGINES, EngineFailed, EngineMissing, open_engine
+    from draftsmith.deploy.engines import ENGINES, EngineFailed, EngineMissing, open_engine
 
     ap = argparse.ArgumentParser(description="Judge an engine's speculative decoding of a bundle against its target")
     ap.add_argument("bundle", type=Path)

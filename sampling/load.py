@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from sampling import kernels, precision
-from sampling.feature import FeatureDraft, is_feature_dir
-from sampling.pruned import trained_head
+from draftsmith.sampling import kernels, precision
+from draftsmith.sampling.feature import FeatureDraft, is_feature_dir
+from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.pruned import trained_head
 
 # The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
 # a native-bf16 EPYC and 7-70x slower for any real matmul on an AVX2-only one. `auto` measures; it is the default.
@@ -57,10 +58,6 @@ ALIASES = {
 
 class ModelNotFound(ValueError):
     pass
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
 
 
 def resolve(name: str) -> Path:

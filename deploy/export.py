@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -28,9 +27,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from sampling.cost import best_k, measure_costs, predicted_speedup
-from sampling.feature import is_feature_draft
-from sampling.models import (
+from draftsmith.deploy.bundle import bundle_hashes, files_sha256
+from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
+from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.load import (
     ALIASES,
     DTYPE_CHOICES,
     ModelNotFound,
@@ -39,11 +39,10 @@ from sampling.models import (
     resolve,
     tokenizer_mismatches,
 )
-from sampling.precision import describe_run, run_info
-from sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
-from train.conformance import bundle_hashes
-from train.evaluate import acceptance_by_set
-from train.report import draft_from_checkpoint, save_draft
+from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
+from draftsmith.train.evaluate import acceptance_by_set
+from draftsmith.train.report import draft_from_checkpoint, save_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -89,15 +88,6 @@ def check_pair(target_tok, draft_tok, target, draft) -> None:
         problems.append(f"vocab sizes {dv} (draft) != {tv} (target)")
     if problems:
         raise ExportError("draft and target do not form a pair: " + "; ".join(problems))
-
-
-def files_sha256(folder: Path, names) -> str:
-    h = hashlib.sha256()
-    for n in names:
-        if (folder / n).is_file():
-            h.update(n.encode())
-            h.update((folder / n).read_bytes())
-    return h.hexdigest()
 
 
 def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
@@ -146,7 +136,7 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 ```
 draftsmith's sampler:
 ```bash
-python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
+python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
     --top-p {s['top_p']} --prompt "def f(x):"
 ```
 """
@@ -165,7 +155,7 @@ EAGLE path (its assisted generation takes an independent draft), so there is no 
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-python -m sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
+python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
     --top-p {s['top_p']} --prompt "def f(x):"
 ```
 vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see

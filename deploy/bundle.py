@@ -1,0 +1,113 @@
+"""A bundle on disk: a draft, its target (copied or referenced), the card (`speculative.json`, `README.md`) and
+every other file's sha256, so an engine is never judged on a bundle edited after export.
+
+    DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.sampling.machine import write_text
+
+UNCHECKED = ("speculative.json", "README.md")  # the card: deploy_check itself adds its results there
+
+
+class BundleError(ValueError):
+    pass
+
+
+def _stream(h, path: Path):
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h
+
+
+def sha256(path: Path) -> str:
+    """One file's digest: what the card records for each file of the bundle."""
+    return _stream(hashlib.sha256(), path).hexdigest()
+
+
+def files_sha256(folder: Path, names) -> str:
+    """One digest of the named files that exist in `folder`, each as its name then its bytes (streamed): the
+    identity of a target the bundle points at, and the key of an engine's converted copy of a model."""
+    h = hashlib.sha256()
+    for n in names:
+        if (Path(folder) / n).is_file():
+            h.update(n.encode())
+            _stream(h, Path(folder) / n)
+    return h.hexdigest()
+
+
+def bundle_hashes(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file of a bundle but its card."""
+    return {p.relative_to(folder).as_posix(): sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() not in UNCHECKED}
+
+
+@dataclass
+class Bundle:
+    path: Path
+    spec: dict
+    target_dir: Path
+    draft_dir: Path
+
+
+def open_bundle(path) -> Bundle:
+    """A bundle as `scripts/export.py` wrote it; refused, naming the file, when one is missing or was edited."""
+    path = Path(path)
+    card = path / "speculative.json"
+    if not card.is_file():
+        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with scripts/export.py")
+    try:
+        spec = json.loads(card.read_text())
+    except ValueError as e:
+        raise BundleError(f"{card} is not valid JSON ({e}): export the bundle again") from None
+    files = spec.get("files")
+    if not files:
+        raise BundleError(f"{path} predates file hashes in bundles: export it again with scripts/export.py")
+    for rel, digest in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise BundleError(f"{path}: {rel} is missing; the bundle is incomplete, export it again")
+        if sha256(f) != digest:
+            raise BundleError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
+    ref = json.loads((path / "target.json").read_text())
+    target_dir = path / "target" if ref["path"] == "target" else Path(ref["path"])
+    if not (target_dir / "config.json").is_file():
+        raise BundleError(f"the bundle's target {target_dir} is missing (target.json); re-export with --copy-target")
+    if files_sha256(target_dir, ["config.json"]) != ref["config_sha256"]:
+        raise BundleError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
+                          "differs); export the bundle again")
+    return Bundle(path, spec, target_dir, path / "draft")
+
+
+# -- the card ---------------------------------------------------------------------------------------------------
+def write_card(bundle: Bundle, report: dict) -> None:
+    """Record the engine's results in speculative.json (`deployment`) and as a table in README.md."""
+    card = bundle.path / "speculative.json"
+    spec = json.loads(card.read_text())
+    spec.setdefault("deployment", {})[report["engine"]] = report
+    write_text(card, json.dumps(spec, indent=2))
+    readme = bundle.path / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    marker = "\n## Deployment checks\n"
+    text = text.split(marker)[0].rstrip("\n") + "\n" + marker + deployment_table(spec["deployment"])
+    write_text(readme, text)
+
+
+def deployment_table(deployment: dict) -> str:
+    lines = ["", "Lossless speculative decoding, judged by `scripts/deploy_check.py` (draftsmith's tests).", "",
+             "| engine | version | setting | verdict | tokens/s plain | tokens/s speculative | speed-up | "
+             "acceptance (engine's count) |", "|---|---|---|---|---|---|---|---|"]
+    for name, rep in deployment.items():
+        for setting, r in rep["settings"].items():
+            acc = "" if r.get("engine_acceptance") is None else f"{r['engine_acceptance']:.3f}"
+            lines.append(f"| {name} | {rep['version']} | {setting} | {r['verdict']} | {r['tok_s_plain']:.1f} | "
+                         f"{r['tok_s_speculative']:.1f} | {r['speedup']:.2f}x | {acc} |")
+    cpu = next(iter(deployment.values()))["machine"].get("cpu", "")
+    return "\n".join(lines) + f"\n\nMeasured on: {cpu}; details in speculative.json, `deployment`.\n"

@@ -1,0 +1,98 @@
+"""Where draftsmith keeps its files and what machine it runs on: the one home for both, so that precision,
+kernels and model loading read them without importing each other.
+
+Every figure names the machine it was measured on (`machine()`); every cached verdict is keyed by it
+(`machine_key()`); every file that another process may read while it is written goes through `atomic_path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cache_home() -> Path:
+    """$DRAFTSMITH_HOME, default ~/.cache/draftsmith: models, generated corpora, verdicts, engines."""
+    return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
+
+
+@contextlib.contextmanager
+def atomic_path(path, tag: str = "partial"):
+    """A temporary name beside `path` to write to; renamed onto `path` when the block ends without an error, removed
+    otherwise. A reader (or a process killed mid-write) sees the old file or the new one, never a torn one. The
+    name carries the pid: two processes may write the same file at once, and the last rename wins whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{tag}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # absent or damaged: measured again
+
+
+def write_json(path: Path, v: dict) -> None:
+    write_text(path, json.dumps(v, indent=2))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> str:
+    """The flags that decide bf16 speed (a VM may report only 'AMD EPYC' as its model)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return " ".join(sorted(f for f in flags if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2"))))
+    except OSError:
+        pass
+    return ""
+
+
+def machine() -> dict:
+    """What a speed figure was measured on: goes into every benchmark, report and card."""
+    return {
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": _cpu_flags(),
+        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def machine_key(m: dict | None = None) -> str:
+    m = m or machine()
+    ident = [m["cpu"], m["cpu_capability"], m["cpu_flags"], m["native_bf16"], m["threads"], m["torch"]]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+

@@ -1,0 +1,81 @@
+"""The package's layers hold: sampling < train < deploy < scripts. A lower layer never imports a higher one (the
+sampler deploys without the trainer; an engine is judged without it, export alone reading a run's checkpoint), and
+no module imports itself back through others. Every import counts, a lazy one inside a function too."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {"sampling": 0, "train": 1, "deploy": 2, "scripts": 3}
+# deploy's one door into train: export reads a run's checkpoint and measures the pair as training did
+ALLOWED_UP = {("deploy.export", "train")}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for layer in LAYERS:
+        for f in sorted((ROOT / layer).glob("*.py")):
+            out[f"{layer}.{f.stem}" if f.stem != "__init__" else layer] = f
+    return out
+
+
+def imports(path: Path) -> set[str]:
+    """The draftsmith modules a file imports, as 'layer.module' (or 'layer' for the package itself)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for n in names:
+            parts = n.split(".")
+            if parts[0] == "draftsmith" and len(parts) > 1 and parts[1] in LAYERS:
+                found.add(".".join(parts[1:3]))
+            elif parts[0] in LAYERS and len(parts) > 1:  # the old top-level names must not come back
+                found.add("OLD:" + n)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: {i for i in imports(f) if i in mods or i.startswith("OLD:")} for m, f in mods.items()}
+
+
+def test_no_module_imports_a_higher_layer_or_an_old_top_level_name():
+    bad = []
+    for mod, deps in graph().items():
+        for dep in deps:
+            if dep.startswith("OLD:"):
+                bad.append(f"{mod} imports {dep[4:]} (the package is draftsmith.*)")
+            elif LAYERS[dep.split(".")[0]] > LAYERS[mod.split(".")[0]] and (mod, dep.split(".")[0]) not in ALLOWED_UP:
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, "upward imports (sampling < train < deploy < scripts):\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    g = graph()
+    cycles, state = [], {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(g.get(m, ())):
+            if d.startswith("OLD:") or d == m.split(".")[0]:  # a package's __init__ re-exports its own modules
+                continue
+            if state.get(d) == "open":
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The rule can fail: a planted `from draftsmith.train...` in a sampler module is an upward import."""
+    f = tmp_path / "planted.py"
+    f.write_text("def f():\n    from draftsmith.train.module import DraftModule\n")
+    assert imports(f) == {"train.module"}

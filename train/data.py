@@ -1,0 +1,130 @@
+"""Training data as Lightning sees it: loaders, a resumable epoch order, the data settings refused up front."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from draftsmith.train.rundir import SetupError
+
+
+def loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
+    d = cfg.data
+    rows = torch.arange(len(blocks["train"]))  # each block's index: the key of its kept teacher logits
+    train = DataLoader(TensorDataset(blocks["train"], rows), batch_size=d.batch_size, drop_last=True,
+                       sampler=EpochOrder(len(blocks["train"]), cfg.seed), num_workers=d.num_workers)
+    val = blocks["val"][: d.val_blocks]
+    return train, DataLoader(TensorDataset(val), batch_size=d.batch_size, num_workers=d.num_workers)
+
+
+class EpochOrder(Sampler[int]):
+    """A shuffle that is a function of (seed, epoch) alone, so a resumed run sees the batches the killed one would
+    have: a DataLoader's `shuffle=True` draws each epoch's order from a generator whose state no checkpoint holds.
+    `skip` rows of epoch `skip_epoch` are left out once (the ones trained on before the checkpoint)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.skip, self.skip_epoch = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it before every epoch
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        skip = self.skip if self.epoch == self.skip_epoch else 0
+        self.skip = 0
+        return iter(order[skip:])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class DataOrder(Callback):
+    """Saves in each checkpoint how many batches of the current epoch were trained on, and on resume makes the
+    sampler skip them: `ckpt_path=last` continues with the next batch, not the epoch's first (Lightning restores
+    the step count, not the position in a plain DataLoader). Under DDP Lightning wraps the sampler in a
+    distributed one, whose split a global skip would shift: there the resumed epoch starts over, as in Lightning."""
+
+    def __init__(self, loader: DataLoader):
+        self.sampler, self.batch_size = loader.sampler, loader.batch_size
+        self.batches, self._resume = 0, None
+
+    def on_train_start(self, trainer, pl_module):
+        if self._resume is not None and trainer.world_size == 1:
+            self.sampler.epoch, self.sampler.skip_epoch = self._resume["epoch"], self._resume["epoch"]
+            self.sampler.skip = self._resume["batches"] * self.batch_size
+
+    def on_train_epoch_start(self, trainer, pl_module):  # not called for an epoch resumed mid-way
+        self.sampler.set_epoch(trainer.current_epoch)  # also when a distributed wrapper hides it from Lightning
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1  # before the step: a checkpoint written after it counts this batch as trained on
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches, self._resume = state["batches"], state
+
+
+def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Openings of held-out blocks (never trained on) as sampler prompts: (n, prompt_tokens) ids and mask."""
+    val = blocks["val"]
+    n = min(n, len(val))
+    idx = torch.linspace(0, len(val) - 1, n).long()
+    ids = val[idx, :prompt_tokens].clone()
+    return ids, torch.ones_like(ids)
+
+
+def check_data(cfg, tokenizer) -> None:
+    """Refuse data settings that cannot work, before anything is loaded or written (one line each)."""
+    d = cfg.data
+    if cfg.checkpoint.monitor == "val/alpha_on_target" and not cfg.sampler.on_target_tokens:
+        raise SetupError("checkpoint.monitor=val/alpha_on_target needs its sample set: set sampler.on_target_tokens "
+                         "> 0 or monitor another metric (val/alpha, val/alpha_analytic)")
+    f = d.on_policy_fraction
+    if not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        raise SetupError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
+                         f"itself), got {f}")
+    start = d.get("on_policy_from", 0.0)
+    if not isinstance(start, (int, float)) or not 0.0 <= start < 1.0:
+        raise SetupError(f"data.on_policy_from must be in [0, 1) (the fraction of training after which on-policy "
+                         f"rows start), got {start}")
+    if cfg.sampler.get("compile") and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError("sampler.compile=true compiles independent drafts; a feature draft validates eagerly: "
+                         "set sampler.compile=false")
+    if cfg.draft.get("init_from") and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError("draft.init_from continues an independent draft; a feature draft cannot start from one")
+    if f > 0 and cfg.draft.get("kind", "independent") == "feature_head":
+        raise SetupError(f"data.on_policy_fraction={f}: a feature draft cannot sample alone (it reads the target's "
+                         "features); use data=generated (the target's own samples) or data=fixed")
+    if f > 0 and not cfg.loss.get("distill", True):
+        raise SetupError(f"data.on_policy_fraction={f} needs the target's logits on the draft's samples: "
+                         "choose a distillation loss (loss=distill_tv, forward_kl, jsd, ...), not loss=ce")
+    if f > 0 and round(f * d.batch_size) == 0:
+        raise SetupError(f"data.on_policy_fraction={f} of a batch of {d.batch_size} rounds to no row: raise it to "
+                         f"at least {0.5 / d.batch_size:.3f} or set it to 0")
+    if f > 0 and d.prompt_tokens >= d.block_size:
+        raise SetupError(f"data.prompt_tokens ({d.prompt_tokens}) leaves no room for an on-policy continuation in "
+                         f"blocks of {d.block_size}: lower it or raise data.block_size")
+    if d.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise SetupError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
+                         "set data.chat_template=false")
+    topk = cfg.loss.get("teacher_topk", 0)
+    if topk and not cfg.loss.get("distill", True):
+        raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
+                         "it to 0")
+    g = d.generated
+    if g.enabled:
+        if g.max_minutes is not None and not g.max_minutes > 0:
+            raise SetupError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got {g.max_minutes}")
+        budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
+        if budget < d.batch_size * d.block_size:
+            raise SetupError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "
+                             f"{g.samples_per_prompt} x {g.max_new_tokens}), less than one batch of "
+                             f"{d.batch_size} x {d.block_size}: raise data.generated.n_prompts or max_new_tokens")
+
+

@@ -1,0 +1,92 @@
+"""The run directory: writable, claimed by one run at a time, resumed from its own checkpoint, written atomically."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from draftsmith.sampling.machine import atomic_path
+
+
+class SetupError(ValueError):
+    pass
+
+
+def check_writable(out_dir: str) -> Path:
+    path = Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise SetupError(f"output directory {path} is not writable ({e.strerror}); set hydra.run.dir=<writable dir>")
+    return path
+
+
+_CLAIMS = []  # the open lock files of the run dirs this process holds (closed by the kernel when it dies)
+
+
+def claim_run_dir(path: Path) -> None:
+    """One training run per run directory: a second run (or a resume) there while the first lives is refused.
+    flock, so a run that was SIGKILLed leaves no stale claim; DDP's other ranks (LOCAL_RANK > 0) share rank 0's."""
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        return
+    lock = open(path / ".run.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise SetupError(f"{path} is in use by another training run (pid {lock.read().strip() or '?'}); "
+                         "give this one its own hydra.run.dir, or wait for that run to end") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    _CLAIMS.append(lock)
+
+
+def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
+    """`ckpt_path=last` (or a path): the checkpoint to resume from, checked to load before any work; a truncated
+    or corrupt file is refused naming it and the newest other checkpoint of the run that does load."""
+    if not ckpt_path:
+        return None
+    ckpt_dir = Path(out_dir) / "checkpoints"
+    path = ckpt_dir / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise SetupError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, a file that is not ours
+        if "Weights only load failed" in str(e):  # weights_only refuses any object but tensors and plain data
+            raise SetupError(f"checkpoint {path} holds pickled objects beyond tensors: refused, nothing in it was "
+                             "run (draftsmith's checkpoints hold only tensors and plain data)") from None
+        good = []
+        for other in sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
+            if other == path:
+                continue
+            try:
+                torch.load(other, map_location="cpu", weights_only=True)
+                good.append(other)
+                break
+            except Exception:
+                continue
+        hint = f"; resume from the previous good one with ckpt_path={good[0]}" if good else ""
+        raise SetupError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}){hint}") from None
+    state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not state or "global_step" not in ckpt or not all(k.startswith("draft.") for k in state):
+        raise SetupError(f"checkpoint {path} is not a draftsmith training checkpoint (no Lightning state of a "
+                         "draft): resume from this run's own checkpoints/last.ckpt")
+    return str(path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint IO, written to a temporary name and renamed: a process killed mid-write leaves
+    the previous checkpoint in place, never a truncated one under the real name."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        with atomic_path(path) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
