@@ -7,13 +7,13 @@ v(K) = cost of one target pass over K+1 new tokens / cost of a 1-token pass
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
 from draftsmith.sampling.compiled import StaticDecoder
 from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.machine import device_of, now
 
 
 class Stepper:
@@ -21,36 +21,41 @@ class Stepper:
     compile: the compiled static-shape step the sampler runs with compile=True (`sampling/compiled.py`)."""
 
     def __init__(self, model, context: torch.Tensor, compile: bool = False):
-        self.model, self.context = model, context
+        self.dev = device_of(model)
+        self.model, self.context = model, context.to(self.dev)
+        context = self.context
         self.extra = lambda n: {}
+        arange = lambda a, b: torch.arange(a, b, device=self.dev)[None]  # noqa: E731
+        self.positions = arange
         self.static = StaticDecoder(model, context.shape[1] + 16) if compile else None
         if self.static is not None:
             L = context.shape[1]
-            self.static(context, torch.arange(L)[None], torch.ones(1, L, dtype=torch.bool), 1)
+            self.static(context, arange(0, L), torch.ones(1, L, dtype=torch.bool, device=self.dev), 1)
             return
         if is_feature_draft(model):  # a drafting step reads its own previous output (width H) as the feature
             width = model.config.hidden_size
-            self.extra = lambda n: {"features": torch.randn(1, n, width, dtype=model.dtype)}
+            self.extra = lambda n: {"features": torch.randn(1, n, width, dtype=model.dtype, device=self.dev)}
             self.cache = model.new_cache()
         else:
             self.cache = DynamicCache(config=model.config)
         L = context.shape[1]
-        model(input_ids=context, position_ids=torch.arange(L)[None], cache=self.cache, use_cache=True,
+        model(input_ids=context, position_ids=arange(0, L), cache=self.cache, use_cache=True,
               logits_to_keep=1, **self.extra(L))
 
     def __call__(self, n: int) -> float:
         L = self.context.shape[1]
         if self.static is not None:
-            t = time.perf_counter()
-            self.static(self.context[:, :n], torch.arange(L, L + n)[None], torch.ones(1, n, dtype=torch.bool), n)
-            dt = time.perf_counter() - t
-            self.static.settle(torch.zeros(1, n, dtype=torch.bool))
+            t = now(self.dev)
+            self.static(self.context[:, :n], self.positions(L, L + n), torch.ones(1, n, dtype=torch.bool,
+                                                                                 device=self.dev), n)
+            dt = now(self.dev) - t
+            self.static.settle(torch.zeros(1, n, dtype=torch.bool, device=self.dev))
             return dt
         extra = self.extra(n)
-        t = time.perf_counter()
-        self.model(input_ids=self.context[:, :n], position_ids=torch.arange(L, L + n)[None], cache=self.cache,
+        t = now(self.dev)
+        self.model(input_ids=self.context[:, :n], position_ids=self.positions(L, L + n), cache=self.cache,
                    use_cache=True, logits_to_keep=n, **extra)
-        dt = time.perf_counter() - t
+        dt = now(self.dev) - t
         self.cache.crop(-n)
         return dt
 
@@ -65,8 +70,9 @@ def measure_costs(target, draft, ks=(1, 2, 3, 4, 5, 6, 7, 8), context_len: int =
     pass per K; c and v(K) are medians of the per-repetition ratios, so a burst of load on a shared machine
     shifts numerator and denominator together instead of biasing one of them.
     """
-    g = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, target.config.vocab_size, (1, context_len), generator=g)
+    # the same context on any device for a seed: drawn on the CPU, moved to each model's device by Stepper
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    context = torch.randint(0, target.config.vocab_size, (1, context_len), generator=g, device="cpu")
     tgt, drf = Stepper(target, context, compile), Stepper(draft, context, compile)
     for _ in range(2):  # warm-up (compiled: every shape compiles here, outside the timing)
         tgt(1), drf(1)

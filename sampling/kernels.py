@@ -90,7 +90,8 @@ def _fast_forward(self: nn.Linear, x):
     w, b = self.weight, self.bias
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    if (rows > FEW_ROWS or w.dtype != torch.float32
+    if (rows > FEW_ROWS or w.dtype != torch.float32 or w.device.type != "cpu"  # calibrated for this CPU; a model
+            # moved to a GPU after its load (Lightning moves the target with the module) runs F.linear there
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, b)  # the calibrated kernels are for fp32 inference; oneDNN's has no backward
     kernel = self.kernels[rows if rows <= 8 else 16]
@@ -125,7 +126,7 @@ def install(model: nn.Module, step=None, force: dict[int, str] | None = None, ca
             table.update({int(r): n for r, n in known[key].items()})
         else:
             if step is None:
-                step = Stepper(model, torch.randint(0, model.config.vocab_size, (1, 32)))
+                step = Stepper(model, torch.randint(0, model.config.vocab_size, (1, 32)))  # cpu: CPU models only
             calibrate(step, table)
             known[key] = table
             if cache:

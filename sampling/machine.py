@@ -12,9 +12,23 @@ import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
+
+
+def device_of(model) -> torch.device:
+    """Where a model's weights live: every tensor, generator and timer that feeds it takes its device from here."""
+    return next(model.parameters()).device
+
+
+def now(device=None) -> float:
+    """perf_counter after the device has finished its queued work: CUDA runs asynchronously, so an unsynchronised
+    timer measures the launch of a kernel, not its run, and c and v(K) would be wrong on a GPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def cache_home() -> Path:

@@ -69,10 +69,10 @@ def _median_ms(fn, reps: int, budget_s: float) -> float:
 
 def _train_step(dtype, m=256, d=576, h=1536):
     """An MLP forward + backward at a training-sized shape, under autocast as Lightning's bf16-mixed runs it."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, d, generator=g)
-    w1 = (torch.randn(h, d, generator=g) * d ** -0.5).requires_grad_()
-    w2 = (torch.randn(d, h, generator=g) * h ** -0.5).requires_grad_()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, d, generator=g, device="cpu")
+    w1 = (torch.randn(h, d, generator=g, device="cpu") * d ** -0.5).requires_grad_()
+    w2 = (torch.randn(d, h, generator=g, device="cpu") * h ** -0.5).requires_grad_()
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -84,17 +84,18 @@ def _train_step(dtype, m=256, d=576, h=1536):
 
 
 def _matmul(dtype, m, k=512, n=512):
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(m, k, generator=g, device="cpu").to(dtype)
+    b = torch.randn(k, n, generator=g, device="cpu").to(dtype)
     return lambda: a @ b
 
 
 def _forward(dtype, m, d=576, h=1536):
     """A transformer MLP block's forward over m rows (a teacher pass or a prefill is made of these)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, d, generator=g).to(dtype)
-    up = (torch.randn(h, d, generator=g) * d ** -0.5).to(dtype)
-    down = (torch.randn(d, h, generator=g) * h ** -0.5).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, d, generator=g, device="cpu").to(dtype)
+    up = (torch.randn(h, d, generator=g, device="cpu") * d ** -0.5).to(dtype)
+    down = (torch.randn(d, h, generator=g, device="cpu") * h ** -0.5).to(dtype)
 
     @torch.inference_mode()
     def fwd():
@@ -172,7 +173,8 @@ def _decode_ms(model, k: int, context: int = 128, reps: int = 3) -> float:
     """A 1-token pass plus a (K+1)-token pass over a warm KV cache: one ArS step and one SpS verification."""
     from transformers import DynamicCache
 
-    ids = torch.randint(0, model.config.vocab_size, (1, context + k + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (1, context + k + 1), generator=torch.Generator(device="cpu").manual_seed(0),
+                        device="cpu")
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
 

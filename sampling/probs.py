@@ -84,13 +84,21 @@ def _nucleus_threshold(vals: torch.Tensor, top_p: float) -> torch.Tensor:
     return vals.gather(-1, n_keep - 1)
 
 
+def uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """U[0, 1) of `shape` on `device`, drawn on the generator's own device: a CPU generator (a seed the caller
+    made) drives a CUDA model too, where torch.rand would refuse it; a generator on the model's device costs no
+    copy. A CPU model with a CPU generator draws exactly as before."""
+    where = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, dtype=dtype, device=where).to(device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) probabilities -> (B,) token ids, by inverse CDF: one uniform per row.
 
     torch.multinomial costs ~1 ms on a 49k vocabulary on our CPU, a cumsum + searchsorted ~0.06 ms.
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    u = uniform((probs.shape[0], 1), generator, cdf.dtype, cdf.device)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     # float rounding can land past the last positive entry (probability ~2^-24): never emit a zero-prob token
     # (the argmax only when it happens: over 64 rows of 49k it costs ~4 ms, more than the cumsum of the draw itself)

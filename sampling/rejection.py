@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.sampling.probs import sample
+from draftsmith.sampling.probs import sample, uniform
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def verify(
     B, K, _ = p.shape
     p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
-    u = torch.rand(B, K, generator=generator, dtype=p.dtype, device=p.device)
+    u = uniform((B, K), generator, p.dtype, p.device)
     accepted = u * p_x < q_x  # u < q/p without dividing; accepts with probability min(1, q/p)
     n_accepted = accepted.to(torch.long).cumprod(-1).sum(-1)  # (B,) length of the leading run
     rows = torch.arange(B, device=p.device)

@@ -14,7 +14,6 @@ ones and the fast causal path runs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 from draftsmith.sampling.cache import Decoder
 from draftsmith.sampling.compiled import StaticDecoder, check_compilable
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
+from draftsmith.sampling.machine import device_of, now
 from draftsmith.sampling.probs import SamplingConfig, process_logits, sample
 from draftsmith.sampling.rejection import acceptance_probability, expected_acceptance, verify
 from draftsmith.sampling.stats import GenerationStats
@@ -72,6 +72,12 @@ class _Rows:
 
     def tensors(self, device) -> list[torch.Tensor]:
         return [torch.tensor(o, dtype=torch.long, device=device) for o in self.out]
+
+
+def _on_device(model, input_ids, attention_mask):
+    """The prompt on the model's device (a CPU tensor of ids meets a CUDA model in every user's first call)."""
+    dev = device_of(model)
+    return input_ids.to(dev), None if attention_mask is None else attention_mask.to(dev)
 
 
 def _check_inputs(models, input_ids, attention_mask, max_new_tokens, k=None):
@@ -185,14 +191,16 @@ def autoregressive_generate(
     """
     cfg = SamplingConfig(temperature, top_k, top_p)
     _check_inputs([target], input_ids, attention_mask, max_new_tokens)
-    t0 = time.perf_counter()
+    input_ids, attention_mask = _on_device(target, input_ids, attention_mask)
+    dev = input_ids.device
+    t0 = now(dev)
     B = input_ids.shape[0]
     stats = GenerationStats(k=0, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, input_ids.device)
     dec = _decoder(target, input_ids.shape[1] + max_new_tokens, compile=compile)
     out = _prefill(dec, input_ids, attention_mask)
     pos = dec.valid.sum(1)  # (B,) position of the next token
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = now(dev) - t0
     stats.record_loop(0)
     while True:
         if on_logits is not None:
@@ -208,12 +216,12 @@ def autoregressive_generate(
             live = (~done).nonzero().squeeze(1)
             rows.index, tok, pos = rows.index[live], tok[live], pos[live]
             dec.select(live)
-        t = time.perf_counter()
+        t = now(dev)
         out = dec(tok[:, None], pos[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), 1)
-        stats.target_s += time.perf_counter() - t
+        stats.target_s += now(dev) - t
         stats.target_calls += 1
         pos = pos + 1
-    stats.total_s = time.perf_counter() - t0
+    stats.total_s = now(dev) - t0
     return Generation(rows.tensors(input_ids.device), stats)
 
 
@@ -447,6 +455,7 @@ def speculative_generate(
     if is_feature_draft(draft):
         draft.config.check_target(target.config)
         tap = FeatureTap(target, draft.feature_layers)
+    input_ids, attention_mask = _on_device(target, input_ids, attention_mask)
     try:
         return _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg,
                                  eos_token_id, generator, chooser, compile)
@@ -457,9 +466,9 @@ def speculative_generate(
 
 def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg, eos_token_id,
                       generator, chooser=None, compile=False) -> Generation:
-    t0 = time.perf_counter()
-    B = input_ids.shape[0]
     dev = input_ids.device
+    t0 = now(dev)
+    B = input_ids.shape[0]
     stats = GenerationStats(k=k, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, dev)
     # Holes (rejected slots of rows that accepted less) are compacted once 16 loops' worth pile up: a copy of the
@@ -479,7 +488,7 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
     else:
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         drafter.start(B, dev)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = now(dev) - t0
     stats.record_loop(0)
 
     while True:
@@ -489,7 +498,7 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             K = 0  # a feature draft before its first target features: this loop is one plain target step
 
         # 1. Draft up to K tokens (k="auto": the chooser may stop earlier).
-        t = time.perf_counter()
+        t = now(dev)
         if K:
             stop = chooser.stopper(rows.index, K) if chooser is not None else None
             p, drafts, confs = drafter.propose(pending, pos, K, cfg, generator, stop)  # (Bn, K, V), (Bn, K)
@@ -498,16 +507,16 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             drafts = torch.zeros(Bn, 0, dtype=torch.long, device=dev)
         if chooser is not None:
             stats.k_per_loop.append(K)
-        stats.draft_s += time.perf_counter() - t
+        stats.draft_s += now(dev) - t
         stats.draft_calls += K
 
         # 2. Score K+1 positions with the target in one pass.
-        t = time.perf_counter()
+        t = now(dev)
         block = torch.cat([pending[:, None], drafts], 1)  # (Bn, K+1)
         steps = torch.arange(K + 1, device=dev)
         logits = tgt(block, pos[:, None] + steps, torch.ones_like(block, dtype=torch.bool), K + 1).logits
         features = tap.take() if tap is not None else None
-        stats.target_s += time.perf_counter() - t
+        stats.target_s += now(dev) - t
         stats.target_calls += 1
 
         # 3. Accept or reject. Greedy (temperature 0) is the same rule on one-hot p and q: keep the drafts that
@@ -543,9 +552,9 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
 
         # 5. Roll both caches back to the accepted prefix: the target holds pending + n accepted drafts.
         tgt.settle(steps[None, :] <= n[:, None])
-        t = time.perf_counter()
+        t = now(dev)
         drafter.accept(n, drafts, nxt, pos, features, last=bool(done.all()))
-        stats.draft_s += time.perf_counter() - t
+        stats.draft_s += now(dev) - t
         pos = pos + n + 1
         pending = nxt
         if bool(done.all()):
@@ -555,5 +564,5 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             rows.index, pending, pos = rows.index[live], pending[live], pos[live]
             tgt.select(live)
             drafter.select(live)
-    stats.total_s = time.perf_counter() - t0
+    stats.total_s = now(dev) - t0
     return Generation(rows.tensors(dev), stats)

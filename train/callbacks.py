@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.machine import atomic_path
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.evaluate import alpha_on_samples, target_samples
 from draftsmith.train.onpolicy import Batch
@@ -55,9 +56,9 @@ class AcceptanceCallback(L.Callback):
         print(f"draftsmith: val/alpha_on_target set: {len(ids)} prompts x {self.on_target_tokens} tokens "
               f"sampled by the target in {time.perf_counter() - t0:.1f} s", flush=True)
         if path is not None:
-            tmp = path.with_suffix(".tmp")
-            save_file({"ids": b.ids, "mask": b.mask, "loss_mask": b.loss_mask.to(torch.uint8)}, tmp)
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                save_file({"ids": b.ids.cpu(), "mask": b.mask.cpu(), "loss_mask": b.loss_mask.to(torch.uint8).cpu()},
+                          tmp)
         return b
 
     def on_fit_start(self, trainer, module):

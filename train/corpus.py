@@ -164,8 +164,8 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
                 if row.get("text", "").strip() or row.get("ids")]
     if not docs:
         raise CorpusError(f"corpus {source} is empty")
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(docs), generator=g).tolist()
+    g = torch.Generator(device="cpu").manual_seed(seed)  # the document order: host-side, the same everywhere
+    order = torch.randperm(len(docs), generator=g, device="cpu").tolist()
     n_val = max(1, int(round(len(docs) * val_fraction))) if len(docs) > 1 else 0
     splits = {"val": [docs[i] for i in order[:n_val]], "train": [docs[i] for i in order[n_val:]]}
     eos = tokenizer.eos_token_id
@@ -247,7 +247,9 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
         for start in range(0, len(todo), batch_size):
             chunk = todo[start: start + batch_size]
             ids, mask = encode_prompts(tokenizer, [p for _, p in chunk])
-            g = torch.Generator().manual_seed(seed + done + start)
+            # cpu: one seed stream for any device (probs.uniform moves each draw to the target's device), so a
+            # corpus cached on one machine is the corpus another would sample
+            g = torch.Generator().manual_seed(seed + done + start)  # cpu: see above
             kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
 
             def keep(rows, logits):
@@ -256,7 +258,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     feats = tap.take()
                     if not prompt_features:  # the prefill: every prompt position; its last is step 0's
                         prompt_features.append(feats[:, :-1].cpu())
-                    step += (half_features(feats[:, -1]),)
+                    step += (half_features(feats[:, -1]).cpu(),)
                 kept.append(step)
 
             with FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:

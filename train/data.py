@@ -31,8 +31,8 @@ class EpochOrder(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + self.epoch)  # the epoch order
+        order = torch.randperm(self.n, generator=g, device="cpu").tolist()
         skip = self.skip if self.epoch == self.skip_epoch else 0
         self.skip = 0
         return iter(order[skip:])

@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict:
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
     draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))  # a bad draft setting too, not after sampling
-    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher",
+    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
@@ -210,6 +210,15 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # an absolute path: `recipes/` sits beside this package in the checkout and in the installed wheel alike, and the
 # path works for `python train/draft.py`, `python -m draftsmith.train.draft` and `draftsmith-train`
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
+
+
+def _target_device(cfg) -> str:
+    """The target loads straight onto this rank's device in its CUDA dtype (no CPU probe, no CPU kernels): a GPU
+    trainer's rank LOCAL_RANK holds cuda:LOCAL_RANK, a CPU trainer the CPU."""
+    acc = str(cfg.trainer.get("accelerator", "cpu"))
+    if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="draft")

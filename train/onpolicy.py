@@ -64,7 +64,7 @@ class OnPolicy:
             raise ValueError(f"data.on_policy_from must be in [0, 1), got {start}")
         self.fraction, self.prompts, self.buffer, self.start = fraction, prompts, buffer, start
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)  # picks rows and seeds: host-side
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # sampled (ids, mask) rows not yet trained on
         self.sampled_rows = 0
 
@@ -74,7 +74,7 @@ class OnPolicy:
     def _refill(self, draft, n: int, T: int, device) -> None:
         if not isinstance(draft, torch.nn.Module):
             draft = draft()
-        pick = torch.randint(0, len(self.prompts[0]), (max(n, self.buffer),), generator=self.generator)
+        pick = torch.randint(0, len(self.prompts[0]), (max(n, self.buffer),), generator=self.generator, device="cpu")
         prompt, pmask = self.prompts[0][pick].to(device), self.prompts[1][pick].to(device)
         P = prompt.shape[1]
         if P >= T:
@@ -82,7 +82,8 @@ class OnPolicy:
                              "lower data.prompt_tokens or raise data.block_size")
         was_training = draft.training
         draft.eval()
-        g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
+        g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator,
+                                                                  device="cpu")))
         gen = autoregressive_generate(draft, prompt, attention_mask=pmask, max_new_tokens=T - P, generator=g,
                                       **self.sampling)
         draft.train(was_training)
