@@ -316,6 +316,9 @@ class FeatureDraft(nn.Module):
         vllm = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "tie_word_embeddings": False,
                 "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
                 "draft_vocab_size": self.lm_head.weight.shape[0],
+                # top level: where upstream vLLM reads them (nested: where SGLang reads them); without them vLLM
+                # silently falls back to its default layers and serves a draft trained on others wrongly
+                "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
                                  "use_aux_hidden_state": True},
                 "torch_dtype": str(self.dtype).removeprefix("torch.")}

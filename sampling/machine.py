@@ -19,8 +19,14 @@ import torch
 
 
 def device_of(model) -> torch.device:
-    """Where a model's weights live: every tensor, generator and timer that feeds it takes its device from here."""
-    return next(model.parameters()).device
+    """Where a model's weights live: every tensor, generator and timer that feeds it takes its device from here
+    (a model with no weights, such as a test's fixed distribution, says so with a `device` attribute or is on the
+    CPU)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device(getattr(model, "device", "cpu"))
 
 
 def now(device=None) -> float:

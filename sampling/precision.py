@@ -173,8 +173,8 @@ def _decode_ms(model, k: int, context: int = 128, reps: int = 3) -> float:
     """A 1-token pass plus a (K+1)-token pass over a warm KV cache: one ArS step and one SpS verification."""
     from transformers import DynamicCache
 
-    ids = torch.randint(0, model.config.vocab_size, (1, context + k + 1), generator=torch.Generator(device="cpu").manual_seed(0),
-                        device="cpu")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + k + 1), generator=g, device="cpu")
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
 

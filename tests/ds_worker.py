@@ -33,7 +33,13 @@ for _ in range(4):
     engine.step()
     losses.append(loss.item())
 engine.save_checkpoint(str(out / "ckpt"))
+# the whole weights as a reference for the checkpoint reader (collective under ZeRO-3: every rank gathers)
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+    whole = {k: v.detach().float().clone() for k, v in engine.module.named_parameters()}
 if engine.global_rank == 0:
+    from safetensors.torch import save_file
+
+    save_file(whole, str(out / "whole.safetensors"))
     result = {"losses": losses, "optimizer": type(engine.optimizer).__name__, "world_size": engine.world_size,
               "stage": engine.zero_optimization_stage()}
     (out / "result.json").write_text(json.dumps(result))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -26,3 +27,13 @@ def test_zero_engine_runs_on_cpu_with_our_config(tmp_path, stage):
     assert out["optimizer"] == ("DeepSpeedZeroOptimizer" if stage == 2 else "DeepSpeedZeroOptimizer_Stage3")
     assert out["losses"][-1] < out["losses"][0]
     assert list((tmp_path / "ckpt").rglob("*optim_states.pt"))
+    # the run's checkpoint reader consolidates the shards into the whole weights; resume accepts the directory
+    from safetensors.torch import load_file
+
+    from draftsmith.train.rundir import checkpoint_state, resume_checkpoint
+
+    state, whole = checkpoint_state(tmp_path / "ckpt"), load_file(tmp_path / "whole.safetensors")
+    assert set(whole) <= set(state)
+    for k, v in whole.items():
+        torch.testing.assert_close(state[k].float(), v, rtol=0, atol=0)
+    assert resume_checkpoint(tmp_path, str(tmp_path / "ckpt")) == str(tmp_path / "ckpt")

@@ -187,6 +187,13 @@ def test_save_load_roundtrip(pair, tmp_path):
     target, draft = pair
     draft.save_pretrained(tmp_path / "d")
     again = FeatureDraft.from_pretrained(tmp_path / "d")
+    # the layer ids where vLLM reads them (top level) and where SGLang does (eagle_config): a draft trained on
+    # other layers than vLLM's defaults must not be served with those
+    import json
+
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == list(draft.feature_layers)
     ids = torch.tensor([[1, 3, 2, 4]])
     a = speculative_generate(target, draft, ids, max_new_tokens=6, temperature=0)
     b = speculative_generate(target, again, ids, max_new_tokens=6, temperature=0)

@@ -90,7 +90,7 @@ def test_kept_logits_land_where_their_token_is_the_label(tmp_path, tiny):
         label = int(blocks["train"][b, t + 1])
         assert label == (ids[p + 1] if p + 1 < len(ids) else eos)
         top, idx = lp[p].topk(8)
-        torch.testing.assert_close(cache.values[b, t].float(), top, atol=4e-3, rtol=0)
+        torch.testing.assert_close(cache.read(torch.tensor([b]))["values"][0, t].float(), top, atol=4e-3, rtol=0)
         checked += 1
     assert checked > 100
     # unknown where the target sampled nothing: a prompt's own tokens, the seam after a sample, the last token of
@@ -188,7 +188,8 @@ def test_kept_features_are_the_targets_hidden_states_at_each_position(tiny, kept
     checked = 0
     for b, t in kf.nonzero().tolist():
         r, p = int(src[b, t]) >> _POS_BITS, int(src[b, t]) & ((1 << _POS_BITS) - 1)
-        torch.testing.assert_close(cache.features[b, t].float(), direct[r][p], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(cache.read(torch.tensor([b]))["features"][0, t].float(), direct[r][p], atol=1e-2,
+                                   rtol=1e-2)
         checked += 1
     assert checked > 200 and bool((kf | ~cache.filled[:, None]).float().mean() > 0.8)
     assert not bool((cache.known & ~kf).any())
@@ -225,10 +226,11 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     bad = labels == -100
     assert 0 < int(bad.sum()) < len(labels) // 2
     torch.testing.assert_close(tlogits[bad], logits[bad].detach())
-    saved = cache.features.clone()
-    hole = ~cache.known_features
-    cache.features[hole] = 1e3 * torch.randn(int(hole.sum()), cache.features.shape[-1]).half()
+    saved = cache.read(sel)["features"]
+    planted, hole = saved.clone(), ~cache.known_features[sel]
+    planted[hole] = 1e3 * torch.randn(int(hole.sum()), saved.shape[-1]).half()
+    cache.write(sel, features=planted)
     again, _, labels2, _ = module._feature_logits(b, sel)
-    cache.features.copy_(saved)
+    cache.write(sel, features=saved)
     assert torch.equal(labels2, labels)
     torch.testing.assert_close(again[~bad], logits[~bad], atol=1e-5, rtol=1e-5)

@@ -45,12 +45,17 @@ def test_every_recipe_file_composes_and_instantiates(group, name):
     kwargs = OmegaConf.to_container(cfg.trainer)
     if isinstance(kwargs.get("strategy"), dict):
         kwargs["strategy"] = instantiate(cfg.trainer.strategy)
-        from deepspeed.runtime.config import DeepSpeedConfig
+        if "DeepSpeed" in type(kwargs["strategy"]).__name__:
+            from deepspeed.runtime.config import DeepSpeedConfig
 
-        ds = dict(kwargs["strategy"].config, train_micro_batch_size_per_gpu=cfg.data.batch_size,
-                  gradient_accumulation_steps=1)
-        DeepSpeedConfig(ds)  # validates stage, offload and batch keys as DeepSpeed itself would
-        assert ds["zero_optimization"]["stage"] == int(name[-1])
+            ds = dict(kwargs["strategy"].config, train_micro_batch_size_per_gpu=cfg.data.batch_size,
+                      gradient_accumulation_steps=1)
+            DeepSpeedConfig(ds)  # validates stage, offload and batch keys as DeepSpeed itself would
+            assert ds["zero_optimization"]["stage"] == (int(name[-1]) if group == "trainer" else 3)
+        else:
+            from lightning.pytorch.strategies import FSDPStrategy
+
+            assert isinstance(kwargs["strategy"], FSDPStrategy) and kwargs["devices"] == "auto"
     if kwargs["accelerator"] == "cpu":
         from draftsmith.sampling.precision import trainer_precision
 
@@ -344,11 +349,34 @@ def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_s
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_end_to_end(tmp_path):
-    res = run_entry("recipe=smoke", "trainer=ddp", f"hydra.run.dir={tmp_path}/run", "logger=csv")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "distributed_backend=gloo" in res.stdout + res.stderr
-    assert (tmp_path / "run" / "report.json").is_file()
+def test_ddp_two_processes_sample_once_and_train_on_identical_blocks_across_a_resume(tmp_path, monkeypatch):
+    """DDP on 2 CPU processes (gloo) with a time-boxed target-sampled corpus: rank 0 samples it once, rank 1 waits
+    for its record and reads the same rows, so both train on identical blocks; a resume reads the record again and
+    samples nothing (each rank used to find the time box unfinished and sample into the same file)."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not read from a cache
+    run = tmp_path / "run"
+    args = ("recipe=smoke", "trainer=ddp", "data=generated", "data.generated.n_prompts=40",
+            "data.generated.max_new_tokens=48", "data.generated.batch_size=8", "data.generated.max_minutes=0.02",
+            f"hydra.run.dir={run}", "logger=csv")
+    digests = re.compile(r"rank (\d+) trains on (\d+) blocks of (\S+), sha256 (\w+)")
+
+    first = run_entry(*args)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "distributed_backend=gloo" in out and (run / "report.json").is_file()
+    ranks = {r: (n, src, h) for r, n, src, h in digests.findall(first.stdout)}
+    assert set(ranks) == {"0", "1"} and ranks["0"] == ranks["1"], ranks
+    assert out.count("target-generated corpus: ") <= 1  # the time box message: one sampler at most
+    sampled = len(next((tmp_path / "home" / "generated").glob("*.jsonl")).read_text().splitlines())
+    record = json.loads((run / "data.json").read_text())
+    assert record["rows"] <= sampled and record["source"] == ranks["0"][1]
+
+    again = run_entry(*args, "ckpt_path=last", "trainer.max_steps=9")
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = {r: (n, src, h) for r, n, src, h in digests.findall(again.stdout)}
+    assert resumed == ranks, (resumed, ranks)  # the same blocks on both ranks as before the resume
+    assert "target-generated corpus" not in again.stderr  # no progress bar: nothing sampled
+    assert len(next((tmp_path / "home" / "generated").glob("*.jsonl")).read_text().splitlines()) == sampled
 
 
 def test_smoke_run_on_a_target_generated_corpus(tmp_path, monkeypatch):

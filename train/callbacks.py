@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
@@ -17,6 +18,20 @@ from draftsmith.sampling.machine import atomic_path
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.evaluate import alpha_on_samples, target_samples
 from draftsmith.train.onpolicy import Batch
+from draftsmith.train.rundir import partitioned
+
+
+@contextlib.contextmanager
+def whole(module):
+    """The draft's parameters whole on every rank inside the block: ZeRO-3 shards them, and the sampler needs them
+    all. Collective (every rank enters it, as Lightning runs these hooks on every rank)."""
+    if not partitioned(module.draft):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.draft.parameters()), modifier_rank=None):
+        yield
 
 
 class AcceptanceCallback(L.Callback):
@@ -66,13 +81,18 @@ class AcceptanceCallback(L.Callback):
             self.on_target = self._target_samples(module)
         if self.measure_cost and self.cost is None:
             # c depends on the draft's shape, not its weights: measure once, in the target's dtype.
-            draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval()
+            with whole(module):
+                draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval()
             self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7, compile=self.compile)
             del draft
 
     def on_validation_epoch_end(self, trainer, module):
         if trainer.sanity_checking:
             return
+        with whole(module):
+            self._validate(trainer, module)
+
+    def _validate(self, trainer, module):
         dev = module.device
         ids, mask = self.prompts.to(dev), self.mask.to(dev)
         draft = module.sampling_draft()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling.load import stdlib_sources
@@ -320,61 +321,85 @@ def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: 
 
 @dataclass
 class Kept:
-    """What `generate_corpus` kept of a sample file: row r's step t is `values[start[r] + t]` (top-k log-probabilities,
-    with their token ids in `index`), and with `features`, its position p is `features[feature_start[r] + p]`;
-    a start of -1 for a row without them (sampled without keeping them, another feature layer choice, or a file of
-    logits that does not match the row's tokens)."""
+    """Where `generate_corpus` kept the logits of a sample file: row r's step t is entry `start[r] + t` (its top-k
+    log-probabilities and their token ids), and with features, its position p is feature entry
+    `feature_start[r] + p`; -1 for a row without them (sampled without keeping them, another feature layer choice,
+    or a file of logits that does not match the row's tokens). Entries are numbered across the batch files in order
+    and read on demand (`take`): nothing is held but this index."""
 
-    values: torch.Tensor
-    index: torch.Tensor
+    files: list[Path]
+    offsets: torch.Tensor  # (files + 1,) first entry of each file, then the total
+    feature_offsets: torch.Tensor | None
     start: torch.Tensor
-    features: torch.Tensor | None = None
     feature_start: torch.Tensor | None = None
+
+    def take(self, at: torch.Tensor, names: tuple[str, ...], features: bool = False) -> list[torch.Tensor]:
+        """The entries `at` (1-D, each >= 0) of the named tensors, in the order of `at`; each file is opened once
+        and only the span of it that is needed is read."""
+        offsets = self.feature_offsets if features else self.offsets
+        need, where = torch.unique(at, return_inverse=True)
+        parts: list[list[torch.Tensor]] = [[] for _ in names]
+        fid = torch.searchsorted(offsets, need, right=True) - 1
+        for f in fid.unique().tolist():
+            sel = need[fid == f] - offsets[f]
+            lo, hi = int(sel.min()), int(sel.max()) + 1
+            with safe_open(str(self.files[f]), "pt") as fh:
+                for out, name in zip(parts, names):
+                    out.append(fh.get_slice(name)[lo:hi][sel - lo])
+        return [torch.cat(p)[where] for p in parts]
 
 
 def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None) -> Kept | None:
-    """The target's logits kept beside sample file `path` (and, with `layers`, its features at those layers);
-    None when there are none."""
+    """The index of the target's logits kept beside sample file `path` (and, with `layers`, of its features at
+    those layers); None when there are none. Reads each file's small tensors (steps, tokens), never its logits."""
     files = sorted(logits_dir(path).glob("*.safetensors"))
     if not files:
         return None
     start = torch.full((len(rows) + 1,), -1, dtype=torch.long)
     fstart = start.clone()
-    values, index, features, offset, foffset = [], [], [], 0, 0
+    used, offsets, foffsets, offset, foffset, any_features = [], [0], [0], 0, 0, False
     for f in files:
-        part = load_file(f)
-        first, steps = int(f.stem), part["steps"]
-        if first + len(steps) > len(rows):
-            continue  # rows the JSONL no longer holds (a run cut short, then continued with another batch size)
+        with safe_open(str(f), "pt") as fh:
+            first, steps = int(f.stem), fh.get_tensor("steps")
+            if first + len(steps) > len(rows):
+                continue  # rows the JSONL no longer holds (a run cut short, then continued with another batch size)
+            keys = set(fh.keys())
+            has_features = (layers is not None and "features" in keys
+                            and fh.get_tensor("layers").tolist() == list(layers))
+            tokens = fh.get_tensor("tokens")
+            n_values = fh.get_slice("values").get_shape()[0]
+            positions = fh.get_tensor("positions") if has_features else None
+            n_features = fh.get_slice("features").get_shape()[0] if has_features else 0
         at = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), steps]), 0)
-        has_features = layers is not None and "features" in part and part["layers"].tolist() == list(layers)
-        fat = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), part["positions"]]), 0) if has_features else 0
+        fat = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), positions]), 0) if has_features else 0
         for j, n in enumerate(steps.tolist()):
             row = rows[first + j]
             if "ids" not in row:
                 continue
             want = row["ids"][row["prompt_tokens"]:]
-            toks = part["tokens"][at[j]: at[j] + n].tolist()
+            toks = tokens[at[j]: at[j] + n].tolist()
             if toks[: len(want)] == want and len(toks) - len(want) == int(row["eos"]):
                 start[first + j] = offset + at[j]
-                if has_features and part["positions"][j] == row["prompt_tokens"] - 1 + n:
+                if has_features and positions[j] == row["prompt_tokens"] - 1 + n:
                     fstart[first + j] = foffset + fat[j]
-        values.append(part["values"])
-        index.append(part["index"])
-        offset += len(part["values"])
-        if has_features:
-            features.append(part["features"])
-            foffset += len(part["features"])
-    return Kept(torch.cat(values), torch.cat(index), start, torch.cat(features) if features else None,
-                fstart if features else None)
+        used.append(f)
+        offset += n_values
+        foffset += n_features
+        any_features |= has_features
+        offsets.append(offset)
+        foffsets.append(foffset)
+    return Kept(used, torch.tensor(offsets), torch.tensor(foffsets) if any_features else None, start,
+                fstart if any_features else None)
 
 
-def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None) -> int:
+def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None,
+                    chunk_bytes: int = 256 << 20) -> int:
     """Fill `cache` (train/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
     `src` points at (`load_blocks`' train_src): its logits where it sampled a token, and with `layers` its features
-    wherever it ran. Returns the number of blocks filled."""
+    wherever it ran. Blocks go through in chunks of about `chunk_bytes` of the cache's records, each reading only
+    the entries it points at, so memory stays flat however large the corpus. Returns the number of blocks filled."""
     kept = sampled_logits(path, rows, layers)
-    if kept is None:
+    if kept is None or (layers is not None and kept.feature_start is None):
         return 0
     ok = src >= 0
     row, pos = torch.where(ok, src >> _POS_BITS, len(rows)), src & ((1 << _POS_BITS) - 1)
@@ -384,10 +409,28 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
     step = pos - (prompt - 1)  # the token at position p was fed at step p - (P - 1) and its logits drawn then
     base = kept.start[row]
     at = torch.where(ok & (base >= 0) & (step >= 0) & (step < steps), base + step, -1)
-    if layers is None:
-        return cache.prefill(at, kept.values, kept.index)
-    if kept.features is None:
-        return 0
-    fbase = kept.feature_start[row]
-    fat = torch.where(ok & (fbase >= 0) & (step < steps), fbase + pos, -1)
-    return cache.prefill(at, kept.values, kept.index, feature_at=fat, features=kept.features)
+    fat = None
+    if layers is not None:
+        fbase = kept.feature_start[row]
+        fat = torch.where(ok & (fbase >= 0) & (step < steps), fbase + pos, -1)
+    filled, per = 0, max(1, chunk_bytes // cache.record)
+    for lo in range(0, len(src), per):
+        blocks = torch.arange(lo, min(lo + per, len(src)))
+        a = at[blocks, : cache.positions]
+        have = a >= 0
+        if not have.any():
+            continue
+        values, index = kept.take(a[have], ("values", "index"))
+        local = torch.full_like(a, -1)
+        local[have] = torch.arange(int(have.sum()))
+        extra = {}
+        if fat is not None:
+            fa = fat[blocks, : cache.positions]
+            fhave = fa >= 0
+            flocal = torch.full_like(fa, -1)
+            flocal[fhave] = torch.arange(int(fhave.sum()))
+            feats = (kept.take(fa[fhave], ("features",), features=True)[0] if fhave.any()
+                     else torch.zeros(0, cache.n_features, dtype=torch.float16))
+            extra = {"feature_at": flocal, "features": feats}
+        filled += cache.prefill(local, values, index, rows=blocks, **extra)
+    return filled

@@ -2,11 +2,66 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from draftsmith.sampling.machine import read_json, write_json
 from draftsmith.train.rundir import SetupError
+
+DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on, fixed at its first start
+
+
+def first_rank() -> bool:
+    """Rank 0 of the whole job, before any process group exists: torchrun and SLURM set RANK; Lightning's own
+    launcher sets LOCAL_RANK and NODE_RANK for the processes it starts."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def rows_digest(path: Path, rows: int) -> str:
+    """sha256 of the first `rows` lines of a JSONL: which samples a run trains on, whatever is appended later."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for _ in range(rows):
+            h.update(f.readline())
+    return h.hexdigest()
+
+
+def prepared_once(out_dir: Path, prepare, poll_s: float = 2.0) -> dict:
+    """The run's corpus, prepared once per run directory. The first rank of a fresh run calls `prepare()` (which
+    may sample the target for a time box) and records what it made in OUT_DIR/data.json; every other rank waits for
+    that record, and every resume reads it: all ranks train on the same blocks, and no resume samples again."""
+    record = Path(out_dir) / DATA_RECORD
+    if not record.is_file():
+        if first_rank():
+            write_json(record, prepare())
+        else:
+            print(f"draftsmith: waiting for rank 0 to prepare the corpus ({record})", file=sys.stderr, flush=True)
+            while not record.is_file():
+                time.sleep(poll_s)
+    data = read_json(record)
+    if data is None:
+        raise SetupError(f"{record} is not readable JSON: delete it to prepare this run's corpus again")
+    if data.get("rows") is not None:
+        path = Path(data["source"])
+        have = sum(1 for _ in open(path, "rb")) if path.is_file() else 0
+        if have < data["rows"] or rows_digest(path, data["rows"]) != data["sha256"]:
+            raise SetupError(f"the corpus this run trained on changed: {path} no longer starts with the "
+                             f"{data['rows']} samples recorded in {record}; resume in a new hydra.run.dir")
+    return data
+
+
+def blocks_digest(blocks: dict) -> str:
+    """A short hash of the training blocks in order: equal on every rank, and across a resume, or the data differ."""
+    return hashlib.sha256(blocks["train"].numpy().tobytes()).hexdigest()[:16]
 
 
 def loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:

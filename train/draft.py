@@ -30,7 +30,15 @@ from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train.build import DraftConfig, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.corpus import CorpusError, generate_corpus, load_blocks, prefill_teacher, sampled_rows
-from draftsmith.train.data import DataOrder, check_data, loaders, validation_prompts
+from draftsmith.train.data import (
+    DataOrder,
+    blocks_digest,
+    check_data,
+    loaders,
+    prepared_once,
+    rows_digest,
+    validation_prompts,
+)
 from draftsmith.train.feature import build_feature_draft
 from draftsmith.train.module import DraftModule
 from draftsmith.train.onpolicy import OnPolicy
@@ -46,6 +54,8 @@ log = logging.getLogger("draftsmith")
 def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     L.seed_everything(cfg.seed, verbose=False)
+    if cfg.get("plan"):  # what a run would hold per rank, from the target's config alone; nothing is trained
+        return _plan(cfg)
     out_dir = check_writable(cfg.out_dir)
     claim_run_dir(out_dir)  # a second run in the same directory is refused, not interleaved
 
@@ -59,11 +69,12 @@ def train(cfg: DictConfig) -> dict:
                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
-    source = cfg.data.source
-    if cfg.data.generated.enabled:
-        source = str(_generated_corpus(cfg, target, tok, file_prompts))
+    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, target, tok, file_prompts))
+    source = data["source"]
     blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
-                         cfg.data.max_documents)
+                         data["documents"])
+    print(f"draftsmith: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))} trains on "
+          f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
     train_dl, val_dl = loaders(blocks, cfg)
     on_policy = _on_policy(cfg, tok, blocks, file_prompts)
 
@@ -91,7 +102,8 @@ def train(cfg: DictConfig) -> dict:
     feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
-                                 features=3 * target.config.hidden_size if feature else 0) if topk else None
+                                 features=3 * target.config.hidden_size if feature else 0,
+                                 directory=out_dir) if topk else None
     if teacher_cache is not None and "train_src" in blocks:
         filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source),
                                  draft.feature_layers if feature else None)
@@ -163,6 +175,37 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            batch_size=g.batch_size, seed=cfg.seed,
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
                            keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None)
+
+
+def _plan(cfg) -> dict:
+    from transformers import AutoConfig
+
+    from draftsmith.sampling.load import resolve
+    from draftsmith.train.build import draft_config_for
+    from draftsmith.train.plan import plan, print_plan
+
+    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))
+    if draft_cfg.kind != "independent":
+        raise SetupError("+plan=true sizes independent drafts; a feature head is one layer of the target's width")
+    target_config = AutoConfig.from_pretrained(resolve(cfg.target.name))
+    devices = cfg.trainer.get("devices", 1)
+    ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)
+    p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
+             cfg.data.block_size)
+    print_plan(p, cfg.target.name, target_config)
+    return {"plan": {s: p.per_rank(s) for s in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")}}
+
+
+def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
+    """What this run trains on: the corpus source and how many of its documents (a sampled corpus: the rows the
+    target had written when its time box ended, with their digest, so a file grown later changes nothing)."""
+    if not cfg.data.generated.enabled:
+        return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
+    path = _generated_corpus(cfg, target, tok, file_prompts)
+    rows = sum(1 for _ in open(path, "rb"))
+    if cfg.data.max_documents:
+        rows = min(rows, cfg.data.max_documents)
+    return {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows)}
 
 
 def _feature_layers(cfg, target) -> list[int] | None:

@@ -56,8 +56,8 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
 def _top_feature_scale(target, layers: list[int], probe: torch.Tensor | None) -> torch.Tensor:
     """Median per-token RMS, on `probe`, of the highest of the draft's features (the last block `fc` reads)."""
     if probe is None:
-        probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=torch.Generator(device="cpu").manual_seed(0),
-                              device="cpu")  # the same probe on any device for the seed; moved to the target
+        g = torch.Generator(device="cpu").manual_seed(0)  # the same probe on any device; moved to the target
+        probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=g, device="cpu")
     with FeatureTap(target, layers) as tap:
         target(input_ids=probe.to(target.device))
         top = tap.take()[..., 2 * target.config.hidden_size:].float()

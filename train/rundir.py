@@ -56,6 +56,11 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
         return None
     ckpt_dir = Path(out_dir) / "checkpoints"
     path = ckpt_dir / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if path.is_dir():  # DeepSpeed writes a checkpoint as a directory of shards, one per rank
+        if not ((path / "latest").is_file() or any(path.glob("*/*model_states.pt"))):
+            raise SetupError(f"ckpt_path={ckpt_path}: {path} is a directory but not a DeepSpeed checkpoint (no "
+                             "'latest' file, no *model_states.pt): resume from this run's checkpoints/last.ckpt")
+        return str(path)
     if not path.is_file():
         raise SetupError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
     try:
@@ -81,6 +86,23 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
         raise SetupError(f"checkpoint {path} is not a draftsmith training checkpoint (no Lightning state of a "
                          "draft): resume from this run's own checkpoints/last.ckpt")
     return str(path)
+
+
+def checkpoint_state(path) -> dict[str, torch.Tensor]:
+    """The module's state dict from a training checkpoint: a Lightning file (read with weights_only=True), or a
+    DeepSpeed ZeRO directory, its shards consolidated to fp32 by DeepSpeed's own reader (files this run wrote)."""
+    path = Path(path)
+    if path.is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path))
+        return {k.removeprefix("_forward_module."): v for k, v in state.items()}
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def partitioned(model) -> bool:
+    """True when DeepSpeed ZeRO-3 holds this model's parameters in shards (each rank sees an empty tensor)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

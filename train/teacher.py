@@ -26,6 +26,9 @@ seam): `known` and `known_features` mark the positions that have them.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -33,58 +36,112 @@ import torch
 class TeacherCache:
     """Top-k target logits for `rows` blocks of `positions` label positions each, filled on first use. With
     `columns` (a pruned draft head's tokens) it hands out only those tokens' logits, in that order; with
-    `features` > 0 it keeps that many feature values a position as well."""
+    `features` > 0 it keeps that many feature values a position as well.
+
+    The kept values live in a file, one fixed-size record per block, read with `pread` per batch: a training
+    rank's memory does not grow with the corpus (at Llama-8B the features alone are ~24 KB a position). The file
+    is anonymous (unlinked at once) in `directory` (the run's directory; the system's temporary one by default) and
+    sparse: a block never filled takes no disk. Only the per-position flags (which blocks and positions have a
+    teacher) stay in memory, a bit each."""
 
     def __init__(self, rows: int, positions: int, k: int, vocab: int, columns: torch.Tensor | None = None,
-                 features: int = 0):
+                 features: int = 0, directory: str | Path | None = None):
         if not 0 < k < vocab:
             raise ValueError(f"loss.teacher_topk must be in [1, {vocab}) (the target's vocabulary), got {k}")
-        self.k, self.vocab = k, vocab
+        self.k, self.vocab, self.rows, self.positions, self.n_features = k, vocab, rows, positions, features
         self.width = vocab if columns is None else len(columns)
         # where each kept token lands: its column, or a spare last one (dropped) when the head lacks it
         self.column_of = None if columns is None else torch.full((vocab,), self.width, dtype=torch.long)
         if columns is not None:
             self.column_of[columns.cpu()] = torch.arange(self.width)
-        self.values = torch.zeros(rows, positions, k, dtype=torch.float16)
-        self.index = torch.zeros(rows, positions, k, dtype=torch.int32)
-        self.fill = torch.zeros(rows, positions, dtype=torch.float32)
-        self.features = torch.zeros(rows, positions, features, dtype=torch.float16) if features else None
+        P = positions
+        self._parts = [("values", torch.float16, (P, k)), ("index", torch.int32, (P, k)), ("fill", torch.float32, (P,))]
+        if features:
+            self._parts.append(("features", torch.float16, (P, features)))
+        self._bytes = [math.prod(shape) * torch.empty(0, dtype=dt).element_size() for _, dt, shape in self._parts]
+        self.record = sum(self._bytes)
+        self._file = tempfile.TemporaryFile(dir=directory)
+        self._file.truncate(rows * self.record)
         self.filled = torch.zeros(rows, dtype=torch.bool)
         self.known = None  # (rows, positions) bool once blocks are prefilled; None: every position of a filled block
         self.known_features = None  # the same for features
         self.hits = self.misses = 0
 
+    # -- the store ----------------------------------------------------------------------------------------------
+    def read(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{'values', 'index', 'fill'[, 'features']} of blocks `rows` as stored (zeros where never written)."""
+        rows = rows.reshape(-1).tolist()
+        buf = bytearray(len(rows) * self.record)
+        view, fd = memoryview(buf), self._file.fileno()
+        for i, r in enumerate(rows):
+            got = os.preadv(fd, [view[i * self.record: (i + 1) * self.record]], r * self.record)
+            if got != self.record:
+                raise OSError(f"teacher store: short read of block {r} ({got} of {self.record} bytes)")
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(len(rows), self.record) if rows else \
+            torch.zeros(0, self.record, dtype=torch.uint8)
+        out, at = {}, 0
+        for (name, dtype, shape), n in zip(self._parts, self._bytes):
+            out[name] = flat[:, at: at + n].contiguous().view(dtype).view(len(rows), *shape)
+            at += n
+        return out
+
+    def write(self, rows: torch.Tensor, **parts: torch.Tensor) -> None:
+        """Write whole records of blocks `rows` (each part (len(rows), ...) in its stored dtype; a part not given is
+        kept as stored, so features can be written without the logits and the other way round)."""
+        rows = rows.reshape(-1).cpu()
+        if len(rows) == 0:
+            return
+        missing = [name for name, _, _ in self._parts if name not in parts]
+        if missing:
+            parts = {**{m: v for m, v in self.read(rows).items() if m in missing}, **parts}
+        blob = torch.cat([parts[name].detach().cpu().to(dtype).contiguous().view(len(rows), -1).view(torch.uint8)
+                          for name, dtype, _ in self._parts], 1).numpy()
+        fd = self._file.fileno()
+        for i, r in enumerate(rows.tolist()):
+            os.pwrite(fd, blob[i].tobytes(), r * self.record)
+
+    # -- filling --------------------------------------------------------------------------------------------------
     def prefill(self, src: torch.Tensor, values: torch.Tensor, index: torch.Tensor, min_known: float = 0.5,
-                feature_at: torch.Tensor | None = None, features: torch.Tensor | None = None) -> int:
-        """Fill blocks from logits kept elsewhere (the target's, as it sampled the corpus). `src` (rows, >= positions)
-        points each label position at a row of `values` / `index` (the top-k log-probabilities and their token ids,
-        k >= this cache's, largest first), -1 where there is none; a cache that keeps features needs them as well
-        (`feature_at` into `features`). A block with fewer than `min_known` of its positions pointed at is left to
-        the teacher pass. Returns the number of blocks filled."""
-        if values.shape[-1] < self.k or (self.features is not None and features is None):
+                feature_at: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> int:
+        """Fill blocks from logits kept elsewhere (the target's, as it sampled the corpus). `src` (blocks,
+        >= positions) points each label position of blocks `rows` (default: all, in order) at a row of `values` /
+        `index` (the top-k log-probabilities and their token ids, k >= this cache's, largest first), -1 where there
+        is none; a cache that keeps features needs them as well (`feature_at` into `features`). A block with fewer
+        than `min_known` of its positions pointed at is left to the teacher pass. Returns the blocks filled."""
+        if values.shape[-1] < self.k or (self.n_features and features is None):
             return 0
-        P = self.values.shape[1]
+        rows = torch.arange(self.rows) if rows is None else rows.cpu()
+        P = self.positions
         src = src[:, :P]
         have = src >= 0
         ok = have.float().mean(1) >= min_known
-        if self.features is not None:
+        fhave = None
+        if self.n_features:
             feature_at = feature_at[:, :P]
             fhave = feature_at >= 0
             ok &= fhave.float().mean(1) >= min_known
-            fsel = fhave & ok[:, None]
-            self.features[fsel] = features[feature_at[fsel]]
             if self.known_features is None:
-                self.known_features = self.filled[:, None].expand_as(fhave).clone()
-            self.known_features[ok] = fhave[ok]
-        sel = have & ok[:, None]
-        at = src[sel]
-        top = values[at, : self.k]
-        self.values[sel], self.index[sel] = top, index[at, : self.k]
-        self.fill[sel] = _tail_fill(top, self.vocab, self.k)
+                self.known_features = self.filled[:, None].expand(self.rows, P).clone()
+            self.known_features[rows[ok]] = fhave[ok]
         if self.known is None:
-            self.known = self.filled[:, None].expand_as(have).clone()
-        self.known[ok] = have[ok]
-        self.filled |= ok
+            self.known = self.filled[:, None].expand(self.rows, P).clone()
+        self.known[rows[ok]] = have[ok]
+        if not ok.any():
+            return 0
+        src, have = src[ok], have[ok]
+        top = torch.zeros(len(src), P, self.k, dtype=torch.float16)
+        idx = torch.zeros(len(src), P, self.k, dtype=torch.int32)
+        top[have], idx[have] = values[src[have], : self.k], index[src[have], : self.k]
+        fill = torch.where(have, _tail_fill(top, self.vocab, self.k), torch.zeros((), dtype=torch.float32))
+        parts = {"values": top, "index": idx, "fill": fill}
+        if self.n_features:
+            fat, fh = feature_at[ok], fhave[ok]
+            feats = torch.zeros(len(src), P, self.n_features, dtype=torch.float16)
+            feats[fh] = features[fat[fh]]
+            parts["features"] = feats
+        self.write(rows[ok], **parts)
+        self.filled[rows[ok]] = True
         return int(ok.sum())
 
     def logits(self, rows: torch.Tensor, teacher) -> torch.Tensor:
@@ -101,20 +158,21 @@ class TeacherCache:
             self._store(rows[miss], *teacher(miss.to(torch.bool)))
         self.misses += int(miss.sum())
         self.hits += len(rows) - int(miss.sum())
-        vals, idx, fill = self.values[rows].float(), self.index[rows].long(), self.fill[rows]
+        got = self.read(rows)
+        vals, idx, fill = got["values"].float(), got["index"].long(), got["fill"]
         spare = self.column_of is not None
         if spare:
             idx = self.column_of[idx]
         out = fill.unsqueeze(-1).expand(*fill.shape, self.width + spare).clone()
-        feats = None if self.features is None else self.features[rows].float()
+        feats = got["features"].float() if self.n_features else None
         return out.scatter_(-1, idx, vals)[..., : self.width], feats
 
     def _store(self, rows: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None = None) -> None:
-        if self.features is not None:
-            self.features[rows] = half_features(features)
         top, idx = top_logprobs(logits.detach().cpu(), self.k)
-        self.values[rows], self.index[rows] = top, idx
-        self.fill[rows] = _tail_fill(top, self.vocab, self.k)
+        parts = {"values": top, "index": idx, "fill": _tail_fill(top, self.vocab, self.k)}
+        if self.n_features:
+            parts["features"] = half_features(features)
+        self.write(rows, **parts)
         self.filled[rows] = True
         if self.known is not None:
             self.known[rows] = True
