@@ -243,8 +243,12 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     done = _complete_rows(out_path, batch_size, len(jobs))
     todo = jobs[done:]
     new_tokens, t0 = 0, time.perf_counter()
-    desc = "target-generated corpus" + ("" if max_seconds is None else f" (at most {max_seconds / 60:.0f} min)")
-    with out_path.open("a") as f, tqdm(total=len(jobs), initial=done, disable=not progress, desc=desc) as bar:
+    # with a time box the bar runs over the box's seconds (its ETA is the box's end, not that of the ceiling of
+    # samples, which a box is not meant to reach); the samples go in the postfix
+    boxed = max_seconds is not None
+    bar_kw = (dict(total=round(max_seconds), unit="s", bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                   "{elapsed} of the {total}s time box{postfix}") if boxed else dict(total=len(jobs), initial=done))
+    with out_path.open("a") as f, tqdm(desc="target-generated corpus", disable=not progress, **bar_kw) as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start: start + batch_size]
             ids, mask = encode_prompts(tokenizer, [p for _, p in chunk])
@@ -279,13 +283,15 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                                     "eos": eos}) + "\n")
             f.flush()
             new_tokens += gen.stats.new_tokens
-            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tokens/s, batch {len(chunk)}")
-            bar.update(len(chunk))
+            elapsed = time.perf_counter() - t0
+            rows = done + start + len(chunk)
+            bar.set_postfix_str(f"{rows}/{len(jobs)} samples, {new_tokens / elapsed:.0f} tokens/s, batch {len(chunk)}",
+                                refresh=False)
+            bar.update(min(round(elapsed), bar.total) - bar.n if boxed else len(chunk))
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds and start + batch_size < len(todo):
-                rows = done + start + len(chunk)
-                print(f"target-generated corpus: {max_seconds / 60:.0f} min spent (data.generated.max_minutes), "
-                      f"stopping at {rows} of {len(jobs)} samples, {rows / len(prompts):.1f} per prompt; a rerun "
-                      "continues the cached file")
+                bar.write(f"target-generated corpus: {max_seconds / 60:.2g} min spent (data.generated.max_minutes), "
+                          f"stopping at {rows} of {len(jobs)} samples, {rows / len(prompts):.1f} per prompt; a rerun "
+                          "continues the cached file")
                 break
     return out_path
 
