@@ -17,3 +17,33 @@ def fit_losses(module, blocks, tmp_path, steps: int = 6) -> list[float]:
                         enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
     trainer.fit(module, data)
     return seen
+
+
+def wandb_records(path) -> list:
+    """The records of an offline W&B run file (`run-*.wandb`: what `wandb sync` uploads): a 7-byte header, then a
+    LevelDB-style log of 32 KiB blocks whose chunks (4-byte CRC, 2-byte length, 1-byte type: full, first, middle,
+    last) carry serialised `Record` protos."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    out, pos, block, parts = [], 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos: pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        parts += data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full or last: a whole record
+            rec = pb.Record()
+            rec.ParseFromString(parts)
+            out.append(rec)
+            parts = b""
+    return out

@@ -244,6 +244,41 @@ def _losses(run_dir) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
+def test_wandb_offline_run_holds_config_curves_tables_and_the_best_draft(smoke_run, tmp_path):
+    """What `wandb sync` would upload, read from the offline run files: the whole resolved config and the machine,
+    the validation curves and tables, the best draft as a model artifact; a resume continues the same W&B run."""
+    import shutil
+
+    from helpers import wandb_records
+
+    out = tmp_path / "run"
+    shutil.copytree(smoke_run[0], out)
+    run_id = (out / "wandb_id").read_text().strip()
+    (first,) = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    recs = wandb_records(first)
+    kinds = lambda k: [r for r in recs if r.WhichOneof("record_type") == k]  # noqa: E731
+    (run,) = kinds("run")
+    assert run.run.run_id == run_id and run.run.project == "draftsmith"
+    config = {u.key: json.loads(u.value_json) for r in kinds("config") for u in r.config.update}
+    config.update({u.key: json.loads(u.value_json) for u in run.run.config.update})
+    assert config["config"]["target"]["name"] == "tiny-random" and config["config"]["trainer"]["max_steps"] == 6
+    assert config["run"]["machine"]["cpu_capability"] and config["training_precision"] in ("32-true", "bf16-mixed")
+    assert config["corpus"]["source"] == "stdlib" and config["draft_params"] > 0
+    logged = {i.key or "/".join(i.nested_key) for r in kinds("history") for i in r.history.item}
+    assert {"val/alpha_on_target", "val/alpha", "train/loss", "val/c"} <= logged
+    assert {"val/acceptance_by_position/_type", "val/tokens_per_call_by_k/_type", "val/samples/_type"} <= logged
+    models = [r.artifact for r in kinds("artifact") if r.artifact.type == "model"]
+    assert [m.name for m in models] == [f"draft-{run_id}"] and "best" in models[0].aliases
+    files = {e.path for e in models[0].manifest.contents}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
+
+    res = run_entry("recipe=smoke", f"hydra.run.dir={out}", "ckpt_path=last", "trainer.max_steps=8")
+    assert res.returncode == 0, res.stderr[-2000:]
+    runs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2
+    assert {r.run.run_id for f in runs for r in wandb_records(f) if r.WhichOneof("record_type") == "run"} == {run_id}
+
+
 def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     """SIGKILL a real run after its first checkpoint; `ckpt_path=last` must continue with the batches, optimizer
     state and schedule the uninterrupted run (the smoke fixture, same recipe) had: the same losses, step for step."""

@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
-from draftsmith.sampling.cost import measure_costs, predicted_speedup
+from draftsmith.sampling.cost import expected_tokens_per_call, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import atomic_path
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.evaluate import alpha_on_samples, target_samples
 from draftsmith.train.onpolicy import Batch
 from draftsmith.train.rundir import partitioned
+from draftsmith.train.tracking import log_tables
 
 
 @contextlib.contextmanager
@@ -114,22 +115,32 @@ class AcceptanceCallback(L.Callback):
         for name, value in metrics.items():
             module.log(name, float(value), sync_dist=True, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
         self.history.append({"step": trainer.global_step, **{k: float(v) for k, v in metrics.items()}})
+        if trainer.is_global_zero:
+            step, alpha = trainer.global_step, s.alpha or 0.0
+            # the paper's Figure 1 per validation: acceptance by draft position, and tokens per call by K (measured
+            # at the sampler's K, expected from alpha at the others)
+            by_k = [[step, k, expected_tokens_per_call(alpha, k), k == self.k] for k in range(1, 9)]
+            log_tables(trainer.loggers, step, {
+                "val/acceptance_by_position": (["step", "position", "acceptance"],
+                                               [[step, i + 1, a] for i, a in enumerate(s.acceptance_by_position)]),
+                "val/tokens_per_call_by_k": (["step", "K", "tokens_per_call", "measured_k"], by_k)})
         if self.log_samples and trainer.is_global_zero:
             self._log_samples(trainer, module, draft, gen)
 
     def _log_samples(self, trainer, module, draft, gen):
         n = min(self.log_samples, len(self.prompts))
         ids, mask = self.prompts[:n].to(module.device), self.mask[:n].to(module.device)
-        if is_feature_draft(draft):  # it cannot write alone: it reads the target's features
-            return
-        own = autoregressive_generate(draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
-                                      generator=torch.Generator(device=module.device).manual_seed(self.seed),
-                                      **self.sampling)
+        own = None
+        if not is_feature_draft(draft):  # a feature draft cannot write alone: it reads the target's features
+            own = autoregressive_generate(draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+                                          generator=torch.Generator(device=module.device).manual_seed(self.seed),
+                                          **self.sampling)
         rows = []
         for i in range(n):
             prompt = self.tok.decode(ids[i][mask[i].bool()], skip_special_tokens=True)
-            rows.append([trainer.global_step, prompt, self.tok.decode(own.tokens[i], skip_special_tokens=True),
-                         self.tok.decode(gen.tokens[i], skip_special_tokens=True)])
+            alone = ("(a feature draft: it drafts from the target's features, never alone)" if own is None
+                     else self.tok.decode(own.tokens[i], skip_special_tokens=True))
+            rows.append([trainer.global_step, prompt, alone, self.tok.decode(gen.tokens[i], skip_special_tokens=True)])
         for lg in trainer.loggers:
             if hasattr(lg, "log_text"):
                 lg.log_text(key="val/samples", columns=["step", "prompt", "draft", "target (speculative)"], data=rows)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.sampling.feature import FeatureConfig
 from draftsmith.sampling.load import ModelNotFound, load_model, load_tokenizer
 from draftsmith.sampling.machine import cache_home
-from draftsmith.sampling.precision import trainer_precision
+from draftsmith.sampling.precision import run_info, trainer_precision
 from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train.build import DraftConfig, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
@@ -46,7 +46,7 @@ from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_te
 from draftsmith.train.report import final_report, print_report
 from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
 from draftsmith.train.teacher import TeacherCache
-from draftsmith.train.tracking import loggers
+from draftsmith.train.tracking import log_config, log_draft, loggers
 
 log = logging.getLogger("draftsmith")
 
@@ -136,6 +136,9 @@ def train(cfg: DictConfig) -> dict:
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
                         callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb],
                         logger=loggers(cfg, out_dir))
+    if trainer.is_global_zero:
+        log_config(trainer.loggers, cfg, run=run_info(target=target), training_precision=str(trainer.precision),
+                   draft_params=sum(p.numel() for p in draft.parameters()), corpus=data)
 
     # 5. Train (ckpt_path=last resumes with optimizer, loops and best-checkpoint state).
     trainer.fit(module, train_dl, val_dl, ckpt_path=resume, weights_only=True)
@@ -148,6 +151,8 @@ def train(cfg: DictConfig) -> dict:
                           checkpoint_cb=checkpoint_cb, acceptance_cb=acceptance_cb, wall_s=time.time() - t0,
                           tokens_per_s=float(tps) if tps is not None else None, precision=trainer.precision,
                           token_counts=token_counts)
+    log_draft(trainer.loggers, Path(report["best_draft"]),
+              {k: report[k] for k in ("monitor", "best_score", "c", "draft_layers", "draft_params", "sampler")})
     print_report(report)
     return report
 
@@ -265,10 +270,11 @@ def _target_device(cfg) -> str:
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="draft")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """The objective a Hydra sweeper maximises: the best `checkpoint.monitor` (val/alpha_on_target by default)."""
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
-        train(cfg)
+        return train(cfg).get("best_score")
     except (ModelNotFound, CorpusError, SetupError, ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from draftsmith.sampling.machine import write_text
+
 
 def _wandb_mode(mode: str) -> str:
     """auto: online only when a key is configured (env or netrc); offline otherwise, so it never blocks."""
@@ -31,8 +33,61 @@ def loggers(cfg, out_dir: Path) -> list:
         mode = _wandb_mode(wb.get("mode", "auto"))
         if mode != "disabled":
             os.environ["WANDB_MODE"] = mode  # WandbLogger(offline=True) would set the legacy "dryrun" instead
-            out.append(WandbLogger(project=wb.get("project", "draftsmith"), save_dir=str(out_dir),
-                                   name=Path(out_dir).name, settings={"init_timeout": 60, "silent": True}))
+            out.append(WandbLogger(project=wb.get("project", "draftsmith"), entity=wb.get("entity"),
+                                   group=wb.get("group"), tags=list(wb.get("tags") or []), save_dir=str(out_dir),
+                                   name=Path(out_dir).name, id=run_id(out_dir),  # resumed runs log to the same run
+                                   settings={"init_timeout": 60, "silent": True}))
     return out
+
+
+def run_id(out_dir: Path) -> str:
+    """The W&B run id of this run directory, made once (OUT_DIR/wandb_id): `ckpt_path=last` continues the same W&B
+    run (Lightning's WandbLogger resumes an id it is given) instead of starting a new one."""
+    import uuid
+
+    from draftsmith.train.data import first_rank
+
+    path = Path(out_dir) / "wandb_id"
+    if not path.is_file():
+        if not first_rank():  # only rank 0 logs to W&B
+            return None
+        write_text(path, uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def wandb_runs(loggers: list) -> list:
+    """The W&B runs among a trainer's loggers (started on first use)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    return [lg.experiment for lg in loggers if isinstance(lg, WandbLogger)]
+
+
+def log_config(loggers: list, cfg, **extra) -> None:
+    """The whole resolved config, and what it ran on, into every logger's hyperparameters (W&B's run config)."""
+    from omegaconf import OmegaConf
+
+    for lg in loggers:
+        lg.log_hyperparams({"config": OmegaConf.to_container(cfg, resolve=True), **extra})
+
+
+def log_tables(loggers: list, step: int, tables: dict[str, tuple[list[str], list[list]]]) -> None:
+    """{key: (columns, rows)} as W&B tables at `step` (validation's acceptance by position, tokens per call by K)."""
+    import wandb
+
+    for run in wandb_runs(loggers):
+        # W&B's own step is Lightning's business (it logs `trainer/global_step` beside each metric); a step= here
+        # behind W&B's would drop the tables
+        run.log({**{k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in tables.items()},
+                 "trainer/global_step": step})
+
+
+def log_draft(loggers: list, draft_dir: Path, metadata: dict) -> None:
+    """The best draft as a W&B model artifact of the run (alias `best`): the run's files and its model together."""
+    import wandb
+
+    for run in wandb_runs(loggers):
+        art = wandb.Artifact(f"draft-{run.id}", type="model", metadata=metadata)
+        art.add_dir(str(draft_dir))
+        run.log_artifact(art, aliases=["best"])
 
 
