@@ -313,6 +313,7 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     (["recipe=smoke", "draft=paper_ratio", "draft.hidden=30"], "heads"),
     (["recipe=smoke", "+draft.extra.vocab_size=100"], "vocabulary"),
     (["recipe=smoke", "draft.draft_vocab=512"], "prunes nothing"),
+    (["recipe=smoke", "+draft.unknown=1"], "unknown draft setting(s) draft.unknown: draft.* takes depth_ratio"),
 ])
 def test_bad_input_fails_with_one_clear_line_and_no_output(tmp_path, overrides, msg):
     out = tmp_path / "run"
@@ -425,3 +426,18 @@ def test_smoke_run_on_a_target_generated_corpus(tmp_path, monkeypatch):
     # recipe=smoke keeps the teacher's top-16: the target's sampling kept them, so no block waits for its pass
     filled = re.search(r"(\d+) of (\d+) training blocks take the target's logits kept", res.stdout)
     assert filled and int(filled[1]) > 0.8 * int(filled[2])
+
+
+@pytest.mark.slow
+def test_an_optuna_sweep_of_two_trials_maximises_what_main_returns(tmp_path):
+    """`hparams_search=alpha_optuna -m`: two tiny trials, each a whole run; the study's best value is the best
+    trial's best val/alpha_on_target, as each trial's report recorded it."""
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    res = run_entry("recipe=smoke", "hparams_search=alpha_optuna", f"hydra.sweep.dir={sweep}", "logger=csv")
+    assert res.returncode == 0, res.stderr[-3000:]
+    scores = [json.loads((sweep / str(i) / "report.json").read_text())["best_score"] for i in (0, 1)]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert result["best_value"] == pytest.approx(max(scores))
+    assert set(result["best_params"]) == {"optim.lr", "loss", "draft.layers", "data.on_policy_fraction"}

@@ -64,7 +64,7 @@ def train(cfg: DictConfig) -> dict:
     tok = load_tokenizer(cfg.target.name)
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
-    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))  # a bad draft setting too, not after sampling
+    draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
     target = load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
 
@@ -182,6 +182,16 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None)
 
 
+def _draft_config(cfg) -> DraftConfig:
+    """`draft.*` as a DraftConfig; an unknown key (a typo, `+draft.unknown=1`) refused in one line naming the known."""
+    d = OmegaConf.to_container(cfg.draft)
+    unknown = sorted(set(d) - set(DraftConfig.__dataclass_fields__))
+    if unknown:
+        raise SetupError(f"unknown draft setting(s) {', '.join('draft.' + k for k in unknown)}: draft.* takes "
+                         f"{', '.join(DraftConfig.__dataclass_fields__)}")
+    return DraftConfig(**d)
+
+
 def _plan(cfg) -> dict:
     from transformers import AutoConfig
 
@@ -189,7 +199,7 @@ def _plan(cfg) -> dict:
     from draftsmith.train.build import draft_config_for
     from draftsmith.train.plan import plan, print_plan
 
-    draft_cfg = DraftConfig(**OmegaConf.to_container(cfg.draft))
+    draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
         raise SetupError("+plan=true sizes independent drafts; a feature head is one layer of the target's width")
     target_config = AutoConfig.from_pretrained(resolve(cfg.target.name))
