@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.sampling.probs import sample, uniform
+from draftsmith.sampling.probs import process_logits, sample, uniform
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,22 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """sum_x min(p(x), q(x)) = 1 - TV(p, q): the probability that a token drawn from p is accepted."""
     return torch.minimum(p, q).sum(-1)
+
+
+def teacher_forced_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor, cfg,
+                              columns: torch.Tensor | None = None, chunk: int = 512) -> torch.Tensor:
+    """(N,) alpha_analytic of each row: sum_x min(p, q) of draft and target logits (N, ...) after the same
+    processing (`cfg`: temperature, top-k, top-p), `chunk` rows at a time (a softmax over a 49k vocabulary at every
+    position at once takes gigabytes). `columns`: the draft's logits cover only these tokens (a pruned head), so p is
+    zero elsewhere and the target's mass there is never accepted."""
+    lp, lq = draft_logits.reshape(-1, draft_logits.shape[-1]), target_logits.reshape(-1, target_logits.shape[-1])
+    out = []
+    for a, b in zip(lp.split(chunk), lq.split(chunk)):
+        p, q = process_logits(a, cfg), process_logits(b, cfg)
+        if columns is not None:
+            p = p.new_zeros(p.shape[0], q.shape[-1]).index_copy_(-1, columns, p)
+        out.append(expected_acceptance(p, q))
+    return torch.cat(out) if out else lp.new_zeros(0)
 
 
 def verify(

@@ -88,3 +88,51 @@ def test_llamacpp_is_judged(demo_bundle):
     print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
     assert report["settings"]["greedy"]["engine_counts"]["drafted"] > 0
     assert report["verdict"] == "pass", report["settings"]
+
+
+@pytest.fixture(scope="module")
+def feature_bundle(demo_target, tmp_path_factory):
+    """A feature head (EAGLE-3) with a pruned 8192-token head, as recipe=feature_head makes it (untrained: fc starts
+    as the top feature), on target layers [1, 14, 26], not vLLM's default [2, 15, 27]."""
+    from draftsmith.deploy.export import export
+    from draftsmith.sampling.load import resolve
+    from draftsmith.train.feature import build_feature_draft
+
+    target, tok = demo_target
+    root = tmp_path_factory.mktemp("feature")
+    counts = torch.zeros(target.config.vocab_size)
+    counts[:8192] = 1.0
+    draft = build_feature_draft(target, [1, 14, 26], 8192, counts)
+    draft.save_pretrained(root / "draft")
+    tok.save_pretrained(root / "draft")
+    return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
+                  max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
+
+
+def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(feature_bundle):
+    from draftsmith.deploy.engines import DraftsmithEngine, EngineMissing, TransformersEngine
+
+    bundle = open_bundle(feature_bundle)
+    report = check(bundle, DraftsmithEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=600, n_prompts=2,
+                   samples=2, max_new_tokens=16)
+    print({k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
+    assert report["verdict"] == "pass", report["settings"]
+    with pytest.raises(EngineMissing, match="feature draft"):
+        TransformersEngine(bundle)
+
+
+@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+def test_vllm_serves_a_feature_bundle_on_its_own_layers(feature_bundle):
+    """Greedy, the draft's proposals are a function of the features it reads: where vLLM reads the layers the
+    bundle names, its acceptance matches our sampler's on the same prompts; where it fell back to its default
+    layers (the bundle's ids ignored), it would not."""
+    from draftsmith.deploy.engines import DraftsmithEngine, VllmEngine
+
+    bundle = open_bundle(feature_bundle)
+    kw = dict(draws=100, n_prompts=2, samples=1, max_new_tokens=32)
+    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
+    theirs = check(bundle, VllmEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
+    print("acceptance: ours", ours["engine_acceptance"], "vllm", theirs["engine_acceptance"], theirs["detail"])
+    assert theirs["verdict"] == "pass", theirs["detail"]
+    assert theirs["engine_counts"]["drafted"] > 0
+    assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1

@@ -9,8 +9,8 @@ from conftest import tiny_llama
 from test_exactness import Dist, pair, pvalue, sample_counts, speculative_sequences, target_sequences, tv  # noqa: F401  (pair: fixture)
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.kauto import KChooser
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.sampling.speculative import KChooser
 
 CHEAP = {"c": 0.05, "v": {k: 1.0 + 0.02 * k for k in range(1, 9)}}
 

@@ -98,14 +98,14 @@ def build_draft(target, cfg: DraftConfig):
         picks = cfg.init_layers or [*range(n_d - 1), n_t - 1]
         if len(picks) != n_d or not all(0 <= i < n_t for i in picks):
             raise ValueError(f"draft.init_layers must list {n_d} target layer indices in [0, {n_t}), got {picks}")
-        src = {k: v.float() for k, v in target.state_dict().items()}
-        dst = {}
+        src = target.state_dict()  # references: only the tensors the draft takes are copied (to fp32), one at a
+        dst = {}                   # time; a 70B target's state in fp32 would be 280 GB of host memory
         for k in draft.state_dict():
             if k.startswith("model.layers."):
                 i = int(k.split(".")[2])
-                dst[k] = src[k.replace(f"model.layers.{i}.", f"model.layers.{picks[i]}.", 1)]
+                dst[k] = src[k.replace(f"model.layers.{i}.", f"model.layers.{picks[i]}.", 1)].float()
             elif k in src:
-                dst[k] = src[k]
+                dst[k] = src[k].float()
         missing = set(draft.state_dict()) - set(dst)
         if missing:
             raise ValueError(f"could not initialise {sorted(missing)[:3]} from the target")

@@ -7,9 +7,9 @@ import torch
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import device_of
-from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
-from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.sampling.rejection import teacher_forced_acceptance
 from draftsmith.train.feature import feature_alpha
 from draftsmith.train.onpolicy import Batch
 
@@ -78,6 +78,4 @@ def alpha_on_samples(target, draft, samples: Batch, cfg: SamplingConfig, chunk: 
     lp, lq = samples.logits(draft), samples.logits(target)
     V = lp.shape[-1]
     lp, lq = lp.reshape(-1, V).index_select(0, keep), lq.reshape(-1, V).index_select(0, keep)
-    acc = [expected_acceptance(process_logits(a, cfg), process_logits(b, cfg))
-           for a, b in zip(lp.split(chunk), lq.split(chunk))]
-    return float(torch.cat(acc).mean())
+    return float(teacher_forced_acceptance(lp, lq, cfg, chunk=chunk).mean())

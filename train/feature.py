@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
-from draftsmith.sampling.probs import SamplingConfig, process_logits
-from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.sampling.rejection import teacher_forced_acceptance
 from draftsmith.train.onpolicy import Batch
 
 
@@ -178,13 +178,8 @@ def feature_alpha(target, draft: FeatureDraft, b: Batch, cfg: SamplingConfig, st
     logits, _, _, sizes = unrolled(draft, fb, steps)
     for s, lp in enumerate(logits.split(sizes)):
         lq = _full_teacher(fb, s)
-        acc = []
-        for i in range(0, len(lp), chunk):
-            p, q = process_logits(lp[i:i + chunk], cfg), process_logits(lq[i:i + chunk], cfg)
-            if draft.pruned:  # back to the full vocabulary: q's mass outside the head is never accepted
-                p = p.new_zeros(p.shape[0], q.shape[-1]).index_copy_(-1, draft.token_ids(), p)
-            acc.append(expected_acceptance(p, q))
-        out.append(float(torch.cat(acc).mean()))
+        columns = draft.token_ids() if draft.pruned else None
+        out.append(float(teacher_forced_acceptance(lp, lq, cfg, columns, chunk).mean()))
     return out
 
 

@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.callbacks import Timer
 
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft
-from draftsmith.sampling.rejection import expected_acceptance
+from draftsmith.sampling.rejection import teacher_forced_acceptance
 from draftsmith.train.feature import (
     feature_alpha,
     feature_batch,
@@ -229,10 +229,7 @@ class DraftModule(L.LightningModule):
         if self.head_tokens is not None:  # a token outside a pruned head has no class (its logit is -inf)
             labels = torch.where(self._head_class[labels] >= 0, labels, -100)
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels)
-        acc = []
-        for lp, lq in zip(logits.reshape(-1, V).split(512), tlogits.reshape(-1, V).split(512)):
-            acc.append(expected_acceptance(process_logits(lp, self.sampling), process_logits(lq, self.sampling)))
-        acc = torch.cat(acc)
+        acc = teacher_forced_acceptance(logits, tlogits, self.sampling)
         self.log("val/loss", ce, sync_dist=True)
         self.log("val/alpha_analytic", acc.mean(), sync_dist=True, prog_bar=True)
 
