@@ -23,8 +23,9 @@ from draftsmith.sampling.feature import FeatureDraft, is_feature_dir
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.pruned import trained_head
 
-# The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is 1.6x faster for decoding on
-# a native-bf16 EPYC and 7-70x slower for any real matmul on an AVX2-only one. `auto` measures; it is the default.
+# The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is faster for decoding where the
+# CPU has native bf16, and far slower for any real matmul where it falls back to a reference GEMM (docs/design.md).
+# `auto` measures; it is the default.
 DTYPES = precision.DTYPES
 DTYPE_CHOICES = ["auto", *DTYPES]
 DEFAULT_DTYPE = "auto"

@@ -108,7 +108,7 @@ def probe() -> dict:
     """Time the `train` and `teacher` shapes in fp32 and bf16. Returns {"ms": {role: {dtype: ms}}, ...}."""
     t0 = time.perf_counter()
     # Screen: a 128x512x512 matmul shows at once whether bf16 GEMM is native (about as fast as fp32) or the
-    # reference fallback (measured 0.9 ms vs 52 ms on an AVX2 EPYC).
+    # reference fallback (tens of times slower: docs/design.md, "Machines").
     screen = {n: _median_ms(_matmul(dt, 128), 3, 0.15) for n, dt in (("fp32", torch.float32),
                                                                        ("bf16", torch.bfloat16))}
     slow_path = screen["bf16"] > _SLOW_PATH_RATIO * screen["fp32"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 # Nucleus sampling on a 49k vocabulary: a full sort costs more than a 2-layer draft step on a CPU, and even the
-# top 1024 of 64 rows cost 21 ms (the top 64: 6 ms; AMX Xeon, 2 threads), a sixth of a batch-64 target step. A
+# top 1024 of 64 rows cost a sixth of a batch-64 target step (the top 64: under a third of that). A
 # language model's nucleus mostly lies in its top 64; rows whose candidates miss it widen to 1024, then to all.
 _TOP_P_CANDIDATES = (64, 1024)
 

@@ -75,8 +75,8 @@ def main():
     for d in drafts.values():
         d.generation_config.update(num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant",
                                    assistant_confidence_threshold=0.0)
-    # transformers' assisted generation ran the cut draft ~2x slower with frozen weights (170-183 against 85-109 ms
-    # a token, bf16, AMX Xeon; cause not found), while ours compiles frozen weights best: each gets its own copy
+    # transformers' assisted generation ran the cut draft ~2x slower with frozen weights (cause not found; figures
+    # in docs/results.md), while ours compiles frozen weights best: each gets its own copy
     assistants = {name: copy.deepcopy(d).requires_grad_(True) for name, d in drafts.items()}
     N, T, P = args.max_new_tokens, args.temperature, args.top_p
     hf_common = dict(max_new_tokens=N, min_new_tokens=N, do_sample=T > 0, pad_token_id=tok.eos_token_id)
