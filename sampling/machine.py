@@ -32,7 +32,8 @@ def device_of(model) -> torch.device:
 def now(device=None) -> float:
     """perf_counter after the device has finished its queued work: CUDA runs asynchronously, so an unsynchronised
     timer measures the launch of a kernel, not its run, and c and v(K) would be wrong on a GPU."""
-    if device is not None and torch.device(device).type == "cuda":
+    if device is not None and (device.type if isinstance(device, torch.device) else torch.device(device).type) \
+            == "cuda":  # the sampler's loop passes a torch.device: no parsing per step
         torch.cuda.synchronize(device)
     return time.perf_counter()
 

@@ -26,6 +26,12 @@ def first_rank() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 
+def line_count(path: Path) -> int:
+    """Rows of a JSONL (the file is closed after; a row torn mid-write has no newline and does not count)."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.endswith(b"\n"))
+
+
 def rows_digest(path: Path, rows: int) -> str:
     """sha256 of the first `rows` lines of a JSONL: which samples a run trains on, whatever is appended later."""
     h = hashlib.sha256()
@@ -52,7 +58,7 @@ def prepared_once(out_dir: Path, prepare, poll_s: float = 2.0) -> dict:
         raise SetupError(f"{record} is not readable JSON: delete it to prepare this run's corpus again")
     if data.get("rows") is not None:
         path = Path(data["source"])
-        have = sum(1 for _ in open(path, "rb")) if path.is_file() else 0
+        have = line_count(path) if path.is_file() else 0
         if have < data["rows"] or rows_digest(path, data["rows"]) != data["sha256"]:
             raise SetupError(f"the corpus this run trained on changed: {path} no longer starts with the "
                              f"{data['rows']} samples recorded in {record}; resume in a new hydra.run.dir")

@@ -34,6 +34,7 @@ from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
     check_data,
+    line_count,
     loaders,
     prepared_once,
     rows_digest,
@@ -217,7 +218,7 @@ def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
     if not cfg.data.generated.enabled:
         return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
     path = _generated_corpus(cfg, target, tok, file_prompts)
-    rows = sum(1 for _ in open(path, "rb"))
+    rows = line_count(path)
     if cfg.data.max_documents:
         rows = min(rows, cfg.data.max_documents)
     return {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows)}
