@@ -132,7 +132,7 @@ def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
     for decay in (1.0, 0.5):
         module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-3}, sampler={"temperature": 1.0},
                              max_steps=1, unroll=3, step_decay=decay)
-        logits, _, _, weights = module._feature_logits(Batch(ids))
+        logits, _, _, weights = module.objective.train_outputs(module, Batch(ids), None)
         if decay == 1.0:
             assert weights is None
             continue
@@ -154,7 +154,7 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
     """draft.feature_noise (EAGLE-1's): each of the three feature blocks gets U(-a, a) x its own per-token RMS (a
     block 1e4 times larger gets noise 1e4 times larger), centred, fresh each call; training reads the noisy
     features, and a noise of 0 or outside [0, 1) is none or refused."""
-    from draftsmith.train import module as module_lib
+    from draftsmith.train import objective as module_lib
     from draftsmith.train.build import DraftConfig
     from draftsmith.train.feature import noisy_features
     from draftsmith.train.module import DraftModule
@@ -182,7 +182,7 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
     for noise in (0.0, 0.2):
         module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-3}, sampler={"temperature": 1.0},
                              max_steps=1, unroll=2, feature_noise=noise)
-        module._feature_logits(Batch(ids))
+        module.objective.train_outputs(module, Batch(ids), None)
     clean = teacher_pass(target, draft.feature_layers, Batch(ids)).features
     assert torch.equal(read[0], clean)
     rel = _relative_noise(read[1], clean)

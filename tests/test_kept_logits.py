@@ -146,7 +146,7 @@ def test_positions_without_a_teacher_carry_no_loss():
     loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1}, "compile": False}
     module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2}, sampler={"temperature": 1.0}, max_steps=1,
                          teacher_cache=cache)
-    logits, tlogits, labels = module._draft_logits(Batch(blocks), torch.tensor([0, 1]))
+    logits, tlogits, labels, _ = module.objective.train_outputs(module, Batch(blocks), torch.tensor([0, 1]))
     unknown = torch.zeros(22, dtype=torch.bool)
     unknown[:3] = True
     torch.testing.assert_close(tlogits[unknown], logits[unknown].detach())
@@ -222,7 +222,7 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     sel = (cache.filled & ~cache.known_features.all(1)).nonzero().squeeze(1)[:4]
     assert len(sel) > 0  # blocks with a seam inside
     b = Batch(blocks["train"][sel])
-    logits, tlogits, labels, _ = module._feature_logits(b, sel)
+    logits, tlogits, labels, _ = module.objective.train_outputs(module, b, sel)
     bad = labels == -100
     assert 0 < int(bad.sum()) < len(labels) // 2
     torch.testing.assert_close(tlogits[bad], logits[bad].detach())
@@ -230,7 +230,7 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     planted, hole = saved.clone(), ~cache.known_features[sel]
     planted[hole] = 1e3 * torch.randn(int(hole.sum()), saved.shape[-1]).half()
     cache.write(sel, features=planted)
-    again, _, labels2, _ = module._feature_logits(b, sel)
+    again, _, labels2, _ = module.objective.train_outputs(module, b, sel)
     cache.write(sel, features=saved)
     assert torch.equal(labels2, labels)
     torch.testing.assert_close(again[~bad], logits[~bad], atol=1e-5, rtol=1e-5)

@@ -138,11 +138,11 @@ def test_a_mixed_batch_runs_the_target_on_the_drafts_rows_only_and_keeps_the_cor
         "temperature": 1.0}, max_steps=1, teacher_cache=cache)
     ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(5))
     rows = torch.tensor([3, 1, 6, 0])
-    module._target_logits(Batch(ids), rows)  # the blocks' first visit fills the cache
+    module.objective._target_logits(module, Batch(ids), rows)  # the blocks' first visit fills the cache
     b = OnPolicy(0.5, openings(ids, 4), temperature=1.0)(one_token_draft(7), ids)
     seen = []
     hook = target.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    got = module._target_logits(b, rows)
+    got = module.objective._target_logits(module, b, rows)
     hook.remove()
     assert b.sampled == 2 and seen == [2]  # one pass, over the draft's two rows
     with torch.no_grad():

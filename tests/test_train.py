@@ -392,7 +392,8 @@ def test_ddp_two_processes_sample_once_and_train_on_identical_blocks_across_a_re
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not read from a cache
     run = tmp_path / "run"
     args = ("recipe=smoke", "trainer=ddp", "data=generated", "data.generated.n_prompts=40",
-            "data.generated.samples_per_prompt=20", "data.generated.max_new_tokens=48", "data.max_documents=null", "data.generated.batch_size=8", "data.generated.max_minutes=0.02",
+            "data.generated.samples_per_prompt=20", "data.generated.max_new_tokens=48", "data.max_documents=null",
+            "data.generated.batch_size=8", "data.generated.max_minutes=0.02",
             f"hydra.run.dir={run}", "logger=csv")
     digests = re.compile(r"rank (\d+) trains on (\d+) blocks of (\S+), sha256 (\w+)")
 
