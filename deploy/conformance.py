@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,74 +30,13 @@ import torch
 from scipy import stats
 
 from draftsmith.deploy.bundle import Bundle, BundleError, open_bundle, write_card
-from draftsmith.deploy.stats import LEVEL, MIN_EXPECTED, chi2_power, chi2_pvalue, two_sample_pvalue
+from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
 from draftsmith.sampling.load import ModelNotFound, load_model
 from draftsmith.sampling.machine import machine
-from draftsmith.sampling.probs import SamplingConfig, process_logits
+from draftsmith.sampling.probs import SamplingConfig, sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.sampling.speculative import last_probs
-
-CHI_PROMPT = "def "
-
-
-@dataclass
-class PairCells:
-    """The exact distribution of a prompt's first two sampled tokens, as chi-square cells: (t1, t2) where its
-    expected count is big enough, (t1, REST) for the rest of a frequent t1, (REST,) for rare first tokens."""
-
-    probs: dict
-    q1: torch.Tensor  # (V,) float64
-    q2: dict = field(default_factory=dict)  # frequent t1 -> (V,) float64
-    eos: frozenset = frozenset()
-
-    REST = "rest"
-    IMPOSSIBLE = "impossible"
-
-    def cell(self, sample: list[int]):
-        t1 = sample[0]
-        if self.q1[t1] <= 0:
-            return (self.IMPOSSIBLE,)
-        if t1 not in self.q2:
-            return (self.REST,)
-        if len(sample) < 2:
-            raise ValueError(f"the engine stopped after token {t1}, which is not an EOS, with 2 tokens asked")
-        t2 = sample[1]
-        if self.q2[t1][t2] <= 0:
-            return (self.IMPOSSIBLE,)
-        return (t1, t2) if (t1, t2) in self.probs else (t1, self.REST)
-
-    def counts(self, samples) -> dict:
-        out: dict = {}
-        for s in samples:
-            c = self.cell(s)
-            out[c] = out.get(c, 0) + 1
-        return out
-
-    def pvalue(self, counts: dict) -> float:
-        keys = list(self.probs) + [(self.IMPOSSIBLE,)]
-        return chi2_pvalue([counts.get(k, 0) for k in keys], [self.probs.get(k, 0.0) for k in keys])
-
-
-@torch.inference_mode()
-def pair_cells(target, prompt: list[int], cfg: SamplingConfig, draws: int, eos) -> PairCells:
-    ids = torch.tensor([prompt])
-    q1 = process_logits(target(ids).logits[0, -1], cfg).double()
-    eos = frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
-    frequent = [t for t in (q1 * draws >= MIN_EXPECTED).nonzero().flatten().tolist() if t not in eos]
-    probs, q2 = {}, {}
-    if frequent:
-        x = torch.cat([ids.expand(len(frequent), -1), torch.tensor(frequent)[:, None]], 1)
-        rows = process_logits(target(x).logits[:, -1], cfg).double()
-        for t1, row in zip(frequent, rows):
-            q2[t1] = row
-            joint = row * q1[t1]
-            big = (joint * draws >= MIN_EXPECTED).nonzero().flatten().tolist()
-            for t2 in big:
-                probs[(t1, t2)] = float(joint[t2])
-            probs[(t1, PairCells.REST)] = max(0.0, float(q1[t1]) - sum(float(joint[t2]) for t2 in big))
-    probs[(PairCells.REST,)] = max(0.0, 1.0 - float(q1[frequent].sum()) if frequent else 1.0)
-    return PairCells(probs, q1, q2, eos)
 
 
 @torch.inference_mode()
@@ -130,19 +69,10 @@ def planted_bug_probs(cells: PairCells, p1: torch.Tensor) -> dict:
     return out
 
 
-@torch.inference_mode()
 def logprob_per_token(target, prompts: list[list[int]], samples: list[list[list[int]]], temperature: float):
-    """The target's mean log-probability per token (logits / temperature, fp32) of each sample."""
-    out = []
-    for prompt, rows in zip(prompts, samples):
-        for s in rows:
-            if not s:
-                continue
-            ids = torch.tensor([prompt + s])
-            logits = target(ids).logits[0, len(prompt) - 1: -1].float() / max(temperature, 1e-6)
-            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s)[:, None])
-            out.append(float(lp.mean()))
-    return np.asarray(out)
+    """The target's mean log-probability per token of each non-empty sample."""
+    return np.asarray([sequence_logprob(target, prompt, s, temperature)
+                       for prompt, rows in zip(prompts, samples) for s in rows if s])
 
 
 # -- the check --------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 An engine runs a list of `Job`s with speculative decoding on or off and hands back the sampled token ids:
 - draftsmith: our sampler (`sampling.speculative`), in this process;
 - transformers: assisted generation (`generate(assistant_model=...)`), in this process;
-- vllm: vLLM's CPU build in its own venv (its transformers pin conflicts with ours), through `train/vllm_worker.py`;
+- vllm: vLLM's CPU build in its own venv (its transformers pin conflicts with ours), through `deploy/vllm_worker.py`;
 - llamacpp: llama.cpp's `llama-server` (built from the llama-cpp-python sdist), with both models converted to GGUF
   by the converter that ships with it, in f32 so the judge's fp32 probabilities are the engine's.
 """
@@ -24,7 +24,7 @@ import torch
 from draftsmith.deploy.bundle import files_sha256
 from draftsmith.sampling.feature import is_feature_dir
 from draftsmith.sampling.load import load_model
-from draftsmith.sampling.machine import cache_home, device_of
+from draftsmith.sampling.machine import cache_home, device_of, vllm_python
 from draftsmith.sampling.pruned import split_head
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
@@ -180,12 +180,8 @@ def _until_eos(ids: list[int], eos) -> list[int]:
     return ids
 
 
-def vllm_python() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", cache_home() / "engines" / "vllm" / "bin" / "python"))
-
-
 class VllmEngine(Engine):
-    """vLLM's CPU build, run by `train/vllm_worker.py` in its own venv: the bundle's `vllm_speculative_config.json`
+    """vLLM's CPU build, run by `deploy/vllm_worker.py` in its own venv: the bundle's `vllm_speculative_config.json`
     is passed to `LLM(speculative_config=...)` as written."""
 
     name = "vllm"

@@ -136,8 +136,8 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 ```
 draftsmith's sampler:
 ```bash
-python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
-    --top-p {s['top_p']} --prompt "def f(x):"
+python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+    --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 """
 
@@ -155,8 +155,8 @@ EAGLE path (its assisted generation takes an independent draft), so there is no 
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} --temperature {s['temperature']} \\
-    --top-p {s['top_p']} --prompt "def f(x):"
+python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+    --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see
 `vllm_speculative_config.json`):

@@ -151,8 +151,8 @@ class Decoder:
         (demo, batch 16, K 4, fp32, scripts/bench_memory.py): peak RSS 1521 MB at 250 tokens and 2224 MB at 1,000
         this way; DynamicCache with its holes 1829 MB and 3265 MB."""
         self.model = model
-        if hasattr(model, "new_cache"):
-            self.cache = model.new_cache()
+        if hasattr(model, "new_cache"):  # a feature draft: one layer of its own
+            self.cache = model.new_cache(capacity)
         elif capacity is None:
             self.cache = DynamicCache(config=model.config)
         else:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.sampling.cache import expand_slots, keep_last
+from draftsmith.sampling.cache import PreallocatedLayer, keep_last
 from draftsmith.sampling.pruned import PrunedOutput
 
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
@@ -145,32 +145,6 @@ class _MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class FeatureCache:
-    """The draft's KV cache: one layer, same interface as the slice of `DynamicCache` the sampler uses."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    def update(self, k, v):
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        return self.k, self.v
-
-    def get_seq_length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def crop(self, n: int) -> None:  # negative n: drop the last -n slots (DynamicCache's convention)
-        self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
-
-    def batch_select_indices(self, rows) -> None:
-        self.k, self.v = self.k[rows], self.v[rows]
-
-    def gather_slots(self, index) -> None:  # (B, n): keep those slots of each row, in order (`compact_cache`)
-        if self.k is not None:
-            self.k = self.k.gather(2, expand_slots(index, self.k))
-            self.v = self.v.gather(2, expand_slots(index, self.v))
-
-
 class FeatureOutput:
     def __init__(self, logits, hidden):
         self.logits, self.hidden = logits, hidden
@@ -220,8 +194,10 @@ class FeatureDraft(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
-    def new_cache(self) -> FeatureCache:
-        return FeatureCache()
+    def new_cache(self, capacity: int | None = None) -> PreallocatedLayer:
+        """Its one layer's KV cache, written in place as the target's (`sampling/cache.py`); past `capacity` (the
+        generation's length, when the sampler knows it) it grows by doubling, never by a copy per token."""
+        return PreallocatedLayer(capacity or 256)
 
     def _rope(self, positions, dtype):
         freqs = positions[..., None].float() * self.inv_freq
@@ -242,7 +218,8 @@ class FeatureDraft(nn.Module):
         return out
 
     # -- decoding: one call per sampler step, with a KV cache ---------------------------------------------
-    def forward(self, input_ids, features, position_ids, attention_mask=None, cache: FeatureCache | None = None,
+    def forward(self, input_ids, features, position_ids, attention_mask=None,
+                cache: PreallocatedLayer | None = None,
                 logits_to_keep: int | None = 1, **_):
         """input_ids, position_ids: (B, T); attention_mask: (B, S) validity of every cache slot + the new T (None:
         all valid). Returns `.hidden` (B, T, H) and, unless logits_to_keep is None, logits of the last positions."""

@@ -1,7 +1,7 @@
 """Generate with speculative sampling and print the text and its statistics.
 
-    python -m draftsmith.sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 4 --temperature 0.8
-    python -m draftsmith.sampling.generate --target smollm2-135m --prompt "Hello"          # no draft: plain autoregressive
+    python -m draftsmith.sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" --temperature 0.8
+    python -m draftsmith.sampling.generate --target smollm2-135m --prompt "Hello"    # no draft: plain autoregressive
 """
 
 from __future__ import annotations

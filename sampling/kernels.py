@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.sampling.cost import Stepper
-from draftsmith.sampling.precision import machine_key, read_json, write_json
+from draftsmith.sampling.machine import machine_key, read_json, write_json
 
 FEW_ROWS = 64  # above this, F.linear (compute-bound: nothing to gain, measured)
 MIN_BYTES = 1 << 20  # matrices this small stay in cache and gain nothing measurable (the tiny test models)

@@ -43,6 +43,12 @@ def cache_home() -> Path:
     return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
 
 
+def vllm_python() -> Path:
+    """The python of the venv vLLM lives in (`scripts/install_vllm.sh`: it pins a transformers older than ours),
+    or the one DRAFTSMITH_VLLM_PYTHON names (a GPU node's own vLLM install)."""
+    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", cache_home() / "engines" / "vllm" / "bin" / "python"))
+
+
 @contextlib.contextmanager
 def atomic_path(path, tag: str = "partial"):
     """A temporary name beside `path` to write to; renamed onto `path` when the block ends without an error, removed

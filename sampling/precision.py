@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from draftsmith.sampling.cost import Stepper
 from draftsmith.sampling.machine import cache_home, machine, machine_key, read_json, write_json
 
 ROLES = ("train", "teacher", "decode")
@@ -171,18 +172,8 @@ def model_id(model) -> str:
 @torch.inference_mode()
 def _decode_ms(model, k: int, context: int = 128, reps: int = 3) -> float:
     """A 1-token pass plus a (K+1)-token pass over a warm KV cache: one ArS step and one SpS verification."""
-    from transformers import DynamicCache
-
     g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context + k + 1), generator=g, device="cpu")
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-
-    def step(n):
-        model(input_ids=ids[:, context:context + n], position_ids=torch.arange(context, context + n)[None],
-              cache=cache, use_cache=True, logits_to_keep=n)
-        cache.crop(-n)
-
+    step = Stepper(model, torch.randint(0, model.config.vocab_size, (1, context), generator=g, device="cpu"))
     return _median_ms(lambda: step(1), reps, 0.5) + _median_ms(lambda: step(k + 1), reps, 0.5)
 
 

@@ -104,3 +104,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     # (the argmax only when it happens: over 64 rows of 49k it costs ~4 ms, more than the cumsum of the draw itself)
     zero = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
     return torch.where(zero, probs.argmax(-1), idx) if bool(zero.any()) else idx
+
+
+@torch.inference_mode()
+def sequence_logprob(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> float:
+    """The model's mean log-probability per token of `tokens` after `prompt` (logits / temperature, in fp32): the
+    per-sequence statistic the engines' check and the bench compare speculative against plain samples on."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(tokens)], device=dev)
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float() / max(temperature, 1e-6)
+    return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device=dev)[:, None]).mean())

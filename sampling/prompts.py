@@ -66,3 +66,9 @@ def encode_prompts(tokenizer, texts: list[str], max_tokens: int | None = None,
 def pad_id(tokenizer) -> int:
     """The id that fills padding: the tokenizer's pad token, else its EOS (many causal LMs ship no pad token)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+
+
+def prompt_rows(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each prompt's token ids, unpadded, as `encode_prompts` encodes them (a serving engine takes them so)."""
+    ids, mask = encode_prompts(tokenizer, texts)
+    return [r[m.bool()].tolist() for r, m in zip(ids, mask)]

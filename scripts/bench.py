@@ -31,6 +31,7 @@ from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
 from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.probs import sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
 from draftsmith.sampling.stats import summary
@@ -47,14 +48,6 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
         print("token counts not in the draft dir: counting the stdlib corpus", file=sys.stderr)
         counts = torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))
         return PrunedHeadDraft(draft, top_tokens(counts, n, [tok.eos_token_id]))
-
-
-@torch.inference_mode()
-def target_logprob(target, prompt_ids, new_tokens) -> float:
-    """Mean log-probability the target gives the generated tokens: the per-sequence statistic of the test."""
-    ids = torch.cat([prompt_ids[0], new_tokens])[None]
-    logits = target(input_ids=ids).logits[0, prompt_ids.shape[1] - 1: -1].float()
-    return float(torch.log_softmax(logits, -1).gather(-1, new_tokens[:, None]).mean())
 
 
 def main(argv=None) -> int:
@@ -167,7 +160,7 @@ def main(argv=None) -> int:
             if k == "auto":
                 rec["k_per_loop"] = s.k_per_loop
             if k in (0, args.k):
-                rec["target_logprob"] = target_logprob(target, ids, gen.tokens[0])
+                rec["target_logprob"] = sequence_logprob(target, ids[0].tolist(), gen.tokens[0].tolist())
             runs.append(rec)
         print("warm-up (every shape compiled) done" if i < 0 else f"prompt {i + 1}/{len(rows)} ({domain}) done",
               file=sys.stderr, flush=True)

@@ -1,6 +1,30 @@
 """Shared statistical helpers for the exactness tests: the same chi-square that judges engines."""
 
-from draftsmith.deploy.stats import chi2_pvalue  # noqa: F401
+from collections import defaultdict
+
+import torch
+
+from draftsmith.sampling.exactness import chi2_pvalue
+
+
+def counts_of(gen) -> dict:
+    """How often each generated row (a tuple of token ids) occurs in a batched generation."""
+    counts = defaultdict(int)
+    for t in gen.tokens:
+        counts[tuple(t.tolist())] += 1
+    return counts
+
+
+def sample_counts(fn, n_rows, budget, prompt):
+    """(counts, stats) of `fn` run once on `n_rows` copies of `prompt` (`budget`: the tokens each row may add)."""
+    gen = fn(torch.tensor([prompt]).repeat(n_rows, 1))
+    return counts_of(gen), gen.stats
+
+
+def pvalue(counts, exact) -> float:
+    """Chi-square p-value of sequence counts against exact sequence probabilities."""
+    keys = sorted(set(exact) | set(counts))
+    return chi2_pvalue([counts.get(s, 0) for s in keys], [exact.get(s, 0.0) for s in keys])
 
 
 def fit_losses(module, blocks, tmp_path, steps: int = 6) -> list[float]:

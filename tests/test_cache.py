@@ -45,15 +45,14 @@ def test_model_logits_equal_dynamic_cache_step_by_step():
 def test_compaction_keeps_each_rows_valid_slots_in_order():
     """compact_cache on a preallocated cache and a feature draft's one-layer cache: each row's valid keys and values
     come out first, in their order, and the new mask is left-aligned; a plain DynamicCache is left as it is."""
-    from draftsmith.sampling.cache import compact_cache
-    from draftsmith.sampling.feature import FeatureCache
+    from draftsmith.sampling.cache import PreallocatedLayer, compact_cache
 
     g = torch.Generator().manual_seed(0)
     valid = torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     k, v = torch.randn(3, 2, 7, 4, generator=g), torch.randn(3, 2, 7, 4, generator=g)
     config = tiny_llama(vocab=16, layers=2, hidden=32).config
     assert compact_cache(DynamicCache(config=config), valid) is None
-    caches = [preallocated_cache(config, capacity=9), FeatureCache()]
+    caches = [preallocated_cache(config, capacity=9), PreallocatedLayer(4)]  # the feature draft's; grows
     for cache in caches:
         layers = getattr(cache, "layers", None)
         for layer in layers or [cache]:
@@ -61,7 +60,7 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
         new = compact_cache(cache, valid)
         assert new.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
         for layer in layers or [cache]:
-            keys, values = (layer.keys, layer.values) if layers else (layer.k, layer.v)
+            keys, values = layer.keys, layer.values
             assert keys.shape[2] == 6
             for r in range(3):
                 n = int(valid[r].sum())

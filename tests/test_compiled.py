@@ -4,12 +4,11 @@ Each test compiles real inductor graphs (about 10-20 s a shape on 2 cores; the c
 so the statistical ones are marked slow and run in CI (`python -m pytest -m slow`).
 """
 
-from collections import defaultdict
 
 import pytest
 import torch
 from conftest import tiny_llama
-from helpers import chi2_pvalue
+from helpers import counts_of, pvalue
 from test_exactness import Dist, target_sequences
 
 import draftsmith.sampling.compiled as compiled
@@ -25,18 +24,6 @@ V = 5
 def pair():
     return tiny_llama(vocab=V, seed=0, logit_scale=8.0), tiny_llama(vocab=V, layers=1, hidden=16, seed=1,
                                                                     logit_scale=6.0)
-
-
-def counts_of(gen):
-    counts = defaultdict(int)
-    for t in gen.tokens:
-        counts[tuple(t.tolist())] += 1
-    return counts
-
-
-def pvalue(counts, exact):
-    keys = sorted(set(exact) | set(counts))
-    return chi2_pvalue([counts.get(s, 0) for s in keys], [exact.get(s, 0.0) for s in keys])
 
 
 @pytest.mark.slow

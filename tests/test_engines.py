@@ -2,6 +2,7 @@
 head_dim 16, so the tiny test models will not do). An engine that is not installed is skipped with the command
 that installs it; CI installs vLLM and sets DRAFTSMITH_REQUIRE_ENGINES=vllm, which turns that skip into a failure."""
 
+import json
 import os
 
 import pytest
@@ -136,3 +137,56 @@ def test_vllm_serves_a_feature_bundle_on_its_own_layers(feature_bundle):
     assert theirs["verdict"] == "pass", theirs["detail"]
     assert theirs["engine_counts"]["drafted"] > 0
     assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1
+
+
+def _sample_file(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+
+@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target, tmp_path, monkeypatch):
+    """data.generated.engine=vllm: its plain sampling passes the chi-square against the target's exact probabilities
+    first; its samples land in our store (JSONL rows + kept top-k log-probabilities, read by the trainer's index),
+    and the kept values are the target's raw log-probabilities (vLLM's raw_logprobs): at the ids vLLM kept, our
+    fp32 forward on the same tokens agrees to fp16 rounding. An engine checked against the wrong distribution (a
+    planted mismatch of temperature) is refused before any row is written."""
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.sampling.prompts import load_prompts
+    from draftsmith.train.corpus import generate_corpus, sampled_logits
+    from draftsmith.train.generation import EngineCheck, EngineError
+
+    target, tok = demo_target
+    monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "engine_checks.json"))
+    prompts = [r["prompt"] for ps in ("code", "english") for r in load_prompts(ps, 3)]
+    check = EngineCheck("vllm", target, tok, SamplingConfig(0.8, 0, 0.95), "smollm2-135m", draws=1000)
+    k = 16
+    generate_corpus(target, tok, prompts, tmp_path / "c.jsonl", max_new_tokens=24, temperature=0.8, top_p=0.95,
+                    batch_size=4, keep_logits=k, engine="vllm", target_name="smollm2-135m", check=check,
+                    progress=False)
+    verdict = json.loads((tmp_path / "engine_checks.json").read_text())
+    print("check:", verdict)
+    assert [v["pass"] for v in verdict.values()] == [True]
+    rows = _sample_file(tmp_path, "c.jsonl")
+    assert len(rows) == len(prompts) and all(len(r["ids"]) > r["prompt_tokens"] for r in rows)
+    kept = sampled_logits(tmp_path / "c.jsonl", rows)
+    assert kept is not None and bool((kept.start[: len(rows)] >= 0).all())  # every row has its logits
+    worst = 0.0
+    for r, row in enumerate(rows):
+        new = row["ids"][row["prompt_tokens"]:] + ([tok.eos_token_id] if row["eos"] else [])
+        ids = torch.tensor([row["ids"][: row["prompt_tokens"]] + new])
+        with torch.no_grad():
+            ours = torch.log_softmax(target(ids).logits[0, row["prompt_tokens"] - 1: -1].float(), -1)
+        values, index = kept.take(kept.start[r] + torch.arange(len(new)), ("values", "index"))
+        assert values.shape == (len(new), k)
+        worst = max(worst, float((ours.gather(-1, index.long()) - values.float()).abs().max()))
+        # the kept ids are the top k of our distribution (up to rounding at the k-th)
+        assert bool((ours.topk(k).values[:, -1] <= values.float().min(-1).values + 2e-2).all())
+    print(f"kept log-probabilities vs our forward: max |diff| {worst:.4f}")
+    assert worst < 2e-2  # fp16 storage of values down to ~-20, fp32 on both sides
+
+    wrong = EngineCheck("vllm", target, tok, SamplingConfig(1.6, 0, 0.95), "smollm2-135m", draws=1000)
+    with pytest.raises(EngineError, match=r"engine=vllm .* samples the wrong distribution: chi-square p"):
+        generate_corpus(target, tok, prompts, tmp_path / "w.jsonl", max_new_tokens=8, temperature=0.8, top_p=0.95,
+                        batch_size=4, keep_logits=k, engine="vllm", target_name="smollm2-135m", check=wrong,
+                        progress=False)
+    assert (tmp_path / "w.jsonl").read_text() == ""  # nothing kept from an engine that failed its check

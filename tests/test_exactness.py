@@ -16,7 +16,7 @@ from functools import lru_cache
 import pytest
 import torch
 from conftest import tiny_llama
-from helpers import chi2_pvalue
+from helpers import pvalue, sample_counts
 
 import draftsmith.sampling.rejection as rejection
 from draftsmith.sampling import autoregressive_generate, speculative_generate
@@ -161,20 +161,6 @@ def test_exact_enumeration_matches_target(pair, k, setting, eos):
     assert tv(got, want) < 1e-6
     # the draft really is far from the target: without the correction the distributions would differ
     assert tv(target_sequences(p, prompt, budget, eos), want) > 0.05
-
-
-def sample_counts(fn, n_rows, budget, prompt):
-    ids = torch.tensor([prompt]).repeat(n_rows, 1)
-    gen = fn(ids)
-    counts = defaultdict(int)
-    for t in gen.tokens:
-        counts[tuple(t.tolist())] += 1
-    return counts, gen.stats
-
-
-def pvalue(counts, exact):
-    keys = sorted(set(exact) | set(counts))
-    return chi2_pvalue([counts.get(s, 0) for s in keys], [exact.get(s, 0.0) for s in keys])
 
 
 @pytest.mark.parametrize("k,setting,eos", [(3, (1.0, 0, 1.0), None), (1, (0.8, 0, 0.9), 0), (3, (1.2, 3, 1.0), 0)])

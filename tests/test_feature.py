@@ -13,7 +13,8 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import tiny_llama
-from test_exactness import Dist, pvalue, sample_counts, speculative_sequences, target_sequences, tv
+from helpers import pvalue, sample_counts
+from test_exactness import Dist, speculative_sequences, target_sequences, tv
 
 import draftsmith.sampling.rejection as rejection
 import draftsmith.sampling.speculative as speculative
@@ -124,7 +125,7 @@ def test_feature_draft_stays_exact_with_compacted_caches(pair, monkeypatch):
     """Holes compacted after every loop that leaves any: the feature draft's cache too (its one layer)."""
     import draftsmith.sampling.speculative as spec
     from draftsmith import sampling
-    from draftsmith.sampling.feature import FeatureCache
+    from draftsmith.sampling.cache import PreallocatedLayer
 
     target, draft = pair
     compacted = []
@@ -135,7 +136,7 @@ def test_feature_draft_stays_exact_with_compacted_caches(pair, monkeypatch):
     g = torch.Generator().manual_seed(21)
     counts, stats = sample_counts(lambda ids: speculative_generate(target, draft, ids, max_new_tokens=4, k=2,
                                                                    temperature=0.9, generator=g), 50_000, 4, [1, 3])
-    assert FeatureCache in compacted and 0 < stats.alpha < 1
+    assert PreallocatedLayer in compacted and 0 < stats.alpha < 1
     assert pvalue(counts, exact) > 1e-3
 
 

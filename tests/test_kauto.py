@@ -6,7 +6,8 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import tiny_llama
-from test_exactness import Dist, pair, pvalue, sample_counts, speculative_sequences, target_sequences, tv  # noqa: F401  (pair: fixture)
+from helpers import pvalue, sample_counts
+from test_exactness import Dist, pair, speculative_sequences, target_sequences, tv  # noqa: F401  (pair: fixture)
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.kauto import KChooser

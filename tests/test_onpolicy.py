@@ -193,6 +193,8 @@ def test_alpha_on_target_equals_a_direct_computation():
     (["data=on_policy", "data.chat_template=true"], "has no chat template"),
     (["data=generated", "data.generated.n_prompts=1", "data.generated.max_new_tokens=8"], "less than one batch"),
     (["data=generated", "data.generated.max_minutes=0"], "max_minutes must be > 0"),
+    (["data=generated", "data.generated.engine=sglang"], "data.generated.engine must be draftsmith, vllm or auto"),
+    (["data=generated", "data.generated.engine=vllm", "sampler.top_k=20"], "samples with temperature and top-p"),
 ])
 def test_bad_data_settings_fail_before_training(tmp_path, overrides, msg):
     out = tmp_path / "run"

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling.load import stdlib_sources
 from draftsmith.sampling.machine import cache_home
-from draftsmith.train.teacher import half_features, top_logprobs
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -218,7 +218,8 @@ def _complete_rows(path: Path, batch_size: int, total: int) -> int:
 def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path, *, samples_per_prompt: int = 1,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
                     seed: int = 0, progress: bool = True, max_seconds: float | None = None,
-                    keep_logits: int = 0, keep_features: list[int] | None = None) -> Path:
+                    keep_logits: int = 0, keep_features: list[int] | None = None, engine: str = "draftsmith",
+                    target_name: str | None = None, check=None, tensor_parallel_size: int = 1) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
     the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
@@ -227,14 +228,13 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     token are kept beside the file (`logits_dir`), so training needs no teacher pass over these samples; with
     `keep_features` (a feature draft's target layers) also the hidden states entering them at every position the
     target ran on (the prompt's and each sampled token's but the last): all a feature draft reads (EAGLE's offline
-    mode, at no extra target pass)."""
-    from contextlib import nullcontext
-
+    mode, at no extra target pass). `engine` (train/generation.py): `draftsmith` samples with our loop in this
+    process, `vllm` in vLLM (`target_name` is what it loads; `check`, an `EngineCheck`, judges it first; features
+    are not kept: a feature draft's teacher pass computes them in training)."""
     from tqdm import tqdm
 
-    from draftsmith.sampling import autoregressive_generate
-    from draftsmith.sampling.feature import FeatureTap
-    from draftsmith.sampling.prompts import encode_prompts
+    from draftsmith.sampling.prompts import pad_id, prompt_rows
+    from draftsmith.train.generation import own_batches, vllm_batches
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,55 +242,43 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     jobs = [(i, p) for _ in range(samples_per_prompt) for i, p in enumerate(prompts)]
     done = _complete_rows(out_path, batch_size, len(jobs))
     todo = jobs[done:]
+    rows = prompt_rows(tokenizer, [p for _, p in todo]) if todo else []
+    sampling = dict(seed=seed, first_row=done, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    eos=tokenizer.eos_token_id, keep_logits=keep_logits)
+    if not rows:
+        batches = iter(())
+    elif engine == "vllm":
+        batches = vllm_batches(target_name or target.config.name_or_path, target.dtype, rows, batch_size,
+                               check=check, tensor_parallel_size=tensor_parallel_size, **sampling)
+    else:
+        batches = own_batches(target, rows, batch_size, pad=pad_id(tokenizer), keep_features=keep_features,
+                              **sampling)
     new_tokens, t0 = 0, time.perf_counter()
     # with a time box the bar runs over the box's seconds (its ETA is the box's end, not that of the ceiling of
     # samples, which a box is not meant to reach); the samples go in the postfix
     boxed = max_seconds is not None
     bar_kw = (dict(total=round(max_seconds), unit="s", bar_format="{desc}: {percentage:3.0f}%|{bar}| "
                    "{elapsed} of the {total}s time box{postfix}") if boxed else dict(total=len(jobs), initial=done))
-    with out_path.open("a") as f, tqdm(desc="target-generated corpus", disable=not progress, **bar_kw) as bar:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start: start + batch_size]
-            ids, mask = encode_prompts(tokenizer, [p for _, p in chunk])
-            # cpu: one seed stream for any device (probs.uniform moves each draw to the target's device), so a
-            # corpus cached on one machine is the corpus another would sample
-            g = torch.Generator().manual_seed(seed + done + start)  # cpu: see above
-            kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
-
-            def keep(rows, logits):
-                step = (rows.cpu(), *top_logprobs(logits.cpu(), keep_logits))
-                if tap is not None:
-                    feats = tap.take()
-                    if not prompt_features:  # the prefill: every prompt position; its last is step 0's
-                        prompt_features.append(feats[:, :-1].cpu())
-                    step += (half_features(feats[:, -1]).cpu(),)
-                kept.append(step)
-
-            with FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:
-                gen = autoregressive_generate(target, ids, attention_mask=mask,
-                                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                              eos_token_id=tokenizer.eos_token_id, generator=g,
-                                              on_logits=keep if keep_logits else None)
-            if keep_logits:  # before the rows: a row in the file always has its logits, a torn batch is redone
-                prefill = None if tap is None else (prompt_features[0], mask, keep_features)
-                _write_logits(out_path, done + start, gen.tokens, kept, prefill)
-            for (_, prompt), row, m, toks in zip(chunk, ids, mask, gen.tokens):
-                toks = toks.tolist()
+    with out_path.open("a") as f, tqdm(desc=f"target-generated corpus ({engine})", disable=not progress,
+                                       **bar_kw) as bar, closing(batches):
+        for start, prompt_ids, tokens, record, _ in batches:
+            if record is not None:  # before the rows: a row in the file always has its logits, a torn batch is redone
+                _write_logits(out_path, done + start, record)
+            for (_, prompt), p_ids, toks in zip(todo[start:], prompt_ids, tokens):
                 eos = bool(toks) and toks[-1] == tokenizer.eos_token_id
-                prompt_ids = row[m.bool()].tolist()
                 f.write(json.dumps({"text": prompt + tokenizer.decode(toks, skip_special_tokens=True),
-                                    "ids": prompt_ids + toks[: len(toks) - eos], "prompt_tokens": len(prompt_ids),
+                                    "ids": p_ids + toks[: len(toks) - eos], "prompt_tokens": len(p_ids),
                                     "eos": eos}) + "\n")
             f.flush()
-            new_tokens += gen.stats.new_tokens
+            new_tokens += sum(len(t) for t in tokens)
             elapsed = time.perf_counter() - t0
-            rows = done + start + len(chunk)
-            bar.set_postfix_str(f"{rows}/{len(jobs)} samples, {new_tokens / elapsed:.0f} tokens/s, batch {len(chunk)}",
+            n = done + start + len(tokens)
+            bar.set_postfix_str(f"{n}/{len(jobs)} samples, {new_tokens / elapsed:.0f} tokens/s, batch {len(tokens)}",
                                 refresh=False)
-            bar.update(min(round(elapsed), bar.total) - bar.n if boxed else len(chunk))
+            bar.update(min(round(elapsed), bar.total) - bar.n if boxed else len(tokens))
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds and start + batch_size < len(todo):
                 bar.write(f"target-generated corpus: {max_seconds / 60:.2g} min spent (data.generated.max_minutes), "
-                          f"stopping at {rows} of {len(jobs)} samples, {rows / len(prompts):.1f} per prompt; a rerun "
+                          f"stopping at {n} of {len(jobs)} samples, {n / len(prompts):.1f} per prompt; a rerun "
                           "continues the cached file")
                 break
     return out_path
@@ -301,27 +289,14 @@ def logits_dir(path: Path) -> Path:
     return path.with_name(path.name + ".logits")
 
 
-def _write_logits(path: Path, first_row: int, tokens: list[torch.Tensor], kept: list, prefill=None) -> None:
-    """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
-    each row's steps in the order they were drawn). `tokens` is stored too, so a reader can check that a file of
-    logits belongs to the rows the JSONL holds now. With `prefill` = (the prefill's features (B, P - 1, F), the
-    left-padded prompt mask, the layers), `features` holds each row's features by position: its prompt's but the
-    last, then one per step."""
-    rows = torch.cat([r for r, *_ in kept])
-    order = torch.sort(rows, stable=True).indices
-    out = {"values": torch.cat([v for _, v, *_ in kept])[order], "index": torch.cat([i for _, _, i, *_ in kept])[order],
-           "steps": torch.tensor([len(t) for t in tokens]), "tokens": torch.cat([t.cpu() for t in tokens])}
-    if prefill is not None:
-        feats, mask, layers = prefill
-        steps = torch.cat([f for *_, f in kept])[order].split(out["steps"].tolist())
-        lens = mask.sum(1).tolist()
-        per_row = [torch.cat([half_features(p[p.shape[0] - n + 1:]), s]) for p, n, s in zip(feats, lens, steps)]
-        out["features"], out["positions"] = torch.cat(per_row), torch.tensor([len(f) for f in per_row])
-        out["layers"] = torch.tensor(layers)
+def _write_logits(path: Path, first_row: int, record: dict) -> None:
+    """A batch's kept logits (train/generation.py: `values`, `index` row-major, `steps` per row, `tokens`, so a reader
+    can check that a file of logits belongs to the rows the JSONL holds now; with features also `features`,
+    `positions`, `layers`) as one file beside the sample file, written atomically."""
     dest = logits_dir(path) / f"{first_row:09d}.safetensors"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
-    save_file(out, tmp)
+    save_file(record, tmp)
     os.replace(tmp, dest)
 
 

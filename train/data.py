@@ -182,6 +182,12 @@ def check_data(cfg, tokenizer) -> None:
     if g.enabled:
         if g.max_minutes is not None and not g.max_minutes > 0:
             raise SetupError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got {g.max_minutes}")
+        engine = g.get("engine", "draftsmith")
+        if engine not in ("draftsmith", "vllm", "auto"):
+            raise SetupError(f"data.generated.engine must be draftsmith, vllm or auto, got {engine}")
+        if engine != "draftsmith" and cfg.sampler.get("top_k", 0):
+            raise SetupError(f"data.generated.engine={engine} samples with temperature and top-p only; with "
+                             f"sampler.top_k={cfg.sampler.top_k} use data.generated.engine=draftsmith")
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
         if budget < d.batch_size * d.block_size:
             raise SetupError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "

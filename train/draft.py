@@ -26,6 +26,8 @@ from draftsmith.sampling.feature import FeatureConfig
 from draftsmith.sampling.load import ModelNotFound, load_model, load_tokenizer
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.precision import run_info, trainer_precision
+from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train.build import DraftConfig, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
@@ -41,6 +43,7 @@ from draftsmith.train.data import (
     validation_prompts,
 )
 from draftsmith.train.feature import build_feature_draft
+from draftsmith.train.generation import EngineCheck, EngineError, choose_engine, measure_engines
 from draftsmith.train.module import DraftModule
 from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
@@ -175,12 +178,23 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                                         file_prompts]).encode())
     name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
             f"-{origin.hexdigest()[:8]}")
+    engine = choose_engine(g.get("engine", "draftsmith"), target, cfg.target.name, lambda: measure_engines(
+        target, cfg.target.name, prompt_rows(tok, prompts), g.batch_size, temperature=s.temperature, top_p=s.top_p,
+        eos=tok.eos_token_id, pad=pad_id(tok)))
+    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours
+        name += "-vllm"
     path = cache_home() / "generated" / f"{name}.jsonl"
+    check = None
+    if engine == "vllm":
+        check = EngineCheck("vllm", load_model(cfg.target.name, "fp32"), tok,
+                            SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, seed=cfg.seed)
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
-                           keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None)
+                           keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None,
+                           engine=engine, target_name=cfg.target.name, check=check,
+                           tensor_parallel_size=g.get("tensor_parallel_size", 1))
 
 
 def _draft_config(cfg) -> DraftConfig:
@@ -286,7 +300,7 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ModelNotFound, CorpusError, SetupError, ValueError, FloatingPointError) as e:
+    except (ModelNotFound, CorpusError, EngineError, SetupError, ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

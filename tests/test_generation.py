@@ -1,0 +1,61 @@
+"""Which engine samples the corpus (train/generation.py): `auto` measures once and remembers, an engine that is
+not installed is refused in one line before any sample is written. vLLM itself: tests/test_engines.py."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_entry, tiny_llama
+
+from draftsmith.train.generation import EngineError, choose_engine, own_batches, vllm_batches
+
+
+def test_auto_picks_the_measured_faster_engine_once_and_remembers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    fake = tmp_path / "python"
+    fake.write_text("")
+    target = tiny_llama(vocab=16, layers=1, hidden=16)
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(tmp_path / "none"))
+    assert choose_engine("auto", target, "t") == "draftsmith"  # not installed: no measurement at all
+    assert "vLLM is not installed" in capsys.readouterr().err
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(fake))
+    calls = []
+    rates = {"draftsmith": 170.0, "vllm": 98.0}
+    assert choose_engine("auto", target, "t", lambda: calls.append(1) or rates) == "draftsmith"
+    assert "draftsmith 170 tokens/s, vllm 98 tokens/s" in capsys.readouterr().err
+    assert choose_engine("auto", target, "t", lambda: pytest.fail("measured twice")) == "draftsmith"
+    assert calls == [1]
+    assert choose_engine("auto", target, "u", lambda: {"draftsmith": 50.0, "vllm": 900.0}) == "vllm"
+    saved = json.loads(next((tmp_path / "home" / "corpus_engine").glob("*.json")).read_text())
+    assert set(saved) == {f"t|{target.dtype}|cpu", f"u|{target.dtype}|cpu"}
+    assert choose_engine("vllm", target, "t") == "vllm" and choose_engine("draftsmith", target, "t") == "draftsmith"
+
+
+def test_a_missing_vllm_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(tmp_path / "none"))
+    with pytest.raises(EngineError, match=r"engine=vllm: vLLM is not installed .* run `bash scripts/install_vllm.sh`"):
+        next(vllm_batches("tiny-random", torch.float32, [[1, 2]], 1, seed=0, first_row=0, max_new_tokens=2,
+                          temperature=1.0, top_p=1.0, eos=0))
+
+
+def test_own_batches_are_the_loop_with_its_kept_record():
+    """Our loop's batches: each row's tokens, and the record's steps, tokens and row-major top-k agree with them."""
+    target = tiny_llama(vocab=32, layers=1, hidden=16, seed=3)
+    rows = [[1, 2, 3], [4], [5, 6]]
+    out = list(own_batches(target, rows, 2, seed=0, first_row=0, max_new_tokens=5, temperature=1.0, top_p=1.0,
+                           eos=31, keep_logits=4))
+    assert [b[0] for b in out] == [0, 2] and [b[1] for b in out] == [rows[:2], rows[2:]]
+    for _, _, tokens, record, seconds in out:
+        assert record["steps"].tolist() == [len(t) for t in tokens] and seconds > 0
+        assert record["tokens"].tolist() == [x for t in tokens for x in t]
+        assert record["values"].shape == (sum(map(len, tokens)), 4) and record["index"].shape == record["values"].shape
+
+
+def test_entry_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(tmp_path / "none"))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    res = run_entry("recipe=smoke", "data=generated", "data.generated.engine=vllm", f"hydra.run.dir={tmp_path}/run",
+                    "logger=csv")
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1].startswith("error: data.generated.engine=vllm: vLLM is not installed")
+    assert not (tmp_path / "run" / "best_draft").exists()

