@@ -59,3 +59,52 @@ def test_entry_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1].startswith("error: data.generated.engine=vllm: vLLM is not installed")
     assert not (tmp_path / "run" / "best_draft").exists()
+
+
+def _pairs_file(path, n=40):
+    """Prompt + completion pairs as another engine's log would hold them: openings of stdlib files and what follows."""
+    from draftsmith.sampling.load import stdlib_sources
+
+    texts = [f.read_text(errors="ignore") for f in sorted(stdlib_sources())[:n]]
+    rows = [{"prompt": t[:120], "completion": t[120:900]} for t in texts if len(t) > 900]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_a_corpus_sampled_elsewhere_gets_the_kept_logits_of_one_teacher_pass(tmp_path):
+    """Prompt + completion pairs go through one batched (left-padded) teacher pass into the same store as our own
+    samples: the trainer's index finds every row's kept values, and they are the target's top-k log-probabilities
+    of each completion token's position, as a forward over that row alone gives them."""
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.train.corpus import generate_corpus, pair_rows, sampled_logits
+
+    target, tok = load_model("tiny-random", "fp32"), load_tokenizer("tiny-random")
+    rows = _pairs_file(tmp_path / "pairs.jsonl", 12)
+    prompts, completions = pair_rows(str(tmp_path / "pairs.jsonl"))
+    assert prompts == [r["prompt"] for r in rows]
+    out = generate_corpus(target, tok, prompts, tmp_path / "store.jsonl", batch_size=4, keep_logits=8,
+                          completions=completions, progress=False)
+    stored = [json.loads(line) for line in out.read_text().splitlines()]
+    kept = sampled_logits(out, stored)
+    assert len(stored) == len(rows) and bool((kept.start[: len(stored)] >= 0).all())
+    for r, row in enumerate(stored):
+        P, ids = row["prompt_tokens"], row["ids"]
+        with torch.no_grad():
+            ours = torch.log_softmax(target(input_ids=torch.tensor([ids])).logits[0, P - 1: -1].float(), -1)
+        values, index = kept.take(kept.start[r] + torch.arange(len(ids) - P), ("values", "index"))
+        top = ours.topk(8)
+        torch.testing.assert_close(values.float(), top.values, atol=2e-3, rtol=0)
+        assert bool((ours.gather(-1, index.long()) - values.float()).abs().max() < 2e-3)
+    assert pair_rows(str(out)) is None  # our own store is read as samples, not as pairs
+
+
+def test_entry_trains_on_pairs_sampled_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    _pairs_file(tmp_path / "pairs.jsonl")
+    res = run_entry("recipe=smoke", f"data.source={tmp_path}/pairs.jsonl", f"hydra.run.dir={tmp_path}/run",
+                    "logger=csv")
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = next(x for x in res.stdout.splitlines() if "training blocks take the target's logits kept" in x)
+    filled, total = (int(w) for w in line.split()[1:4:2])
+    assert total > 0 and filled >= 0.8 * total, line  # the rest hold prompt tokens only (no teacher to keep there)
+    assert (tmp_path / "run" / "best_draft").is_dir()

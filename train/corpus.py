@@ -108,6 +108,28 @@ def _fingerprint(source, tokenizer, *parts) -> str:
     return h.hexdigest()[:16]
 
 
+def pair_rows(source: str, prompt_field: str = "prompt", completion_field: str = "completion"):
+    """(prompts, completions) of a JSONL, JSON or parquet file of prompt + completion pairs generated anywhere,
+    rows with an empty side dropped; None when `source` is not such a file (plain text, or our own samples)."""
+    path = Path(str(source)).expanduser()
+    if path.suffix not in (".jsonl", ".json", ".parquet") or not path.is_file():
+        return None
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path),
+                                   split="train")
+    except Exception:
+        return None  # not a table: the text reader names the damage
+    if prompt_field not in ds.column_names or completion_field not in ds.column_names:
+        return None
+    pairs = [(p, c) for p, c in zip(ds[prompt_field], ds[completion_field]) if p and c]
+    if not pairs:
+        raise CorpusError(f"{source} has no row with both a '{prompt_field}' and a '{completion_field}'")
+    return [p for p, _ in pairs], [c for _, c in pairs]
+
+
 def sampled_rows(source: str) -> list[dict] | None:
     """The rows of a `generate_corpus` file (a JSONL whose rows carry `ids`), else None: its tokens are taken as
     sampled, not re-tokenized from text (decoding and encoding again need not give the same tokens, and the kept
@@ -219,7 +241,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     max_new_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 16,
                     seed: int = 0, progress: bool = True, max_seconds: float | None = None,
                     keep_logits: int = 0, keep_features: list[int] | None = None, engine: str = "draftsmith",
-                    target_name: str | None = None, check=None, tensor_parallel_size: int = 1) -> Path:
+                    target_name: str | None = None, check=None, tensor_parallel_size: int = 1,
+                    completions: list[str] | None = None) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
     the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
@@ -230,11 +253,12 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     target ran on (the prompt's and each sampled token's but the last): all a feature draft reads (EAGLE's offline
     mode, at no extra target pass). `engine` (train/generation.py): `draftsmith` samples with our loop in this
     process, `vllm` in vLLM (`target_name` is what it loads; `check`, an `EngineCheck`, judges it first; features
-    are not kept: a feature draft's teacher pass computes them in training)."""
+    are not kept: a feature draft's teacher pass computes them in training). With `completions` (one per prompt,
+    sampled elsewhere) nothing is sampled: one teacher pass keeps what the loop would have kept for them."""
     from tqdm import tqdm
 
     from draftsmith.sampling.prompts import pad_id, prompt_rows
-    from draftsmith.train.generation import own_batches, vllm_batches
+    from draftsmith.train.generation import own_batches, teacher_batches, vllm_batches
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +271,11 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     eos=tokenizer.eos_token_id, keep_logits=keep_logits)
     if not rows:
         batches = iter(())
+    elif completions is not None:
+        done_c = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions[done:]]
+        batches = teacher_batches(target, rows, done_c, batch_size, pad=pad_id(tokenizer), keep_features=keep_features,
+                                  **sampling)
+        engine = "teacher pass"
     elif engine == "vllm":
         batches = vllm_batches(target_name or target.config.name_or_path, target.dtype, rows, batch_size,
                                check=check, tensor_parallel_size=tensor_parallel_size, **sampling)

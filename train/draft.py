@@ -31,7 +31,14 @@ from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train.build import DraftConfig, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
-from draftsmith.train.corpus import CorpusError, generate_corpus, load_blocks, prefill_teacher, sampled_rows
+from draftsmith.train.corpus import (
+    CorpusError,
+    generate_corpus,
+    load_blocks,
+    pair_rows,
+    prefill_teacher,
+    sampled_rows,
+)
 from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
@@ -197,6 +204,21 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            tensor_parallel_size=g.get("tensor_parallel_size", 1))
 
 
+def _imported_corpus(cfg, target, tok, pairs) -> Path:
+    """`data.source=` prompt + completion pairs sampled elsewhere: one teacher pass writes them to the same store as
+    our own samples (the kept logits, a feature draft's features), once; cached by the file and the settings."""
+    src = Path(cfg.data.source).expanduser().resolve()
+    st = src.stat()
+    keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
+    layers = _feature_layers(cfg, target) if keep else None
+    key = hashlib.sha256(json.dumps([str(src), st.st_size, int(st.st_mtime), cfg.data.get("prompt_field"),
+                                     cfg.data.get("completion_field"), keep, layers]).encode()).hexdigest()[:12]
+    path = cache_home() / "imported" / f"{cfg.target.name.replace('/', '_')}-{src.stem}-{key}.jsonl"
+    prompts, completions = pairs
+    return generate_corpus(target, tok, prompts, path, batch_size=8, seed=cfg.seed, keep_logits=keep,
+                           keep_features=layers, completions=completions)
+
+
 def _draft_config(cfg) -> DraftConfig:
     """`draft.*` as a DraftConfig; an unknown key (a typo, `+draft.unknown=1`) refused in one line naming the known."""
     d = OmegaConf.to_container(cfg.draft)
@@ -229,9 +251,12 @@ def _plan(cfg) -> dict:
 def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
     """What this run trains on: the corpus source and how many of its documents (a sampled corpus: the rows the
     target had written when its time box ended, with their digest, so a file grown later changes nothing)."""
-    if not cfg.data.generated.enabled:
+    pairs = None if cfg.data.generated.enabled else pair_rows(cfg.data.source, cfg.data.get("prompt_field", "prompt"),
+                                                                cfg.data.get("completion_field", "completion"))
+    if not cfg.data.generated.enabled and pairs is None:
         return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
-    path = _generated_corpus(cfg, target, tok, file_prompts)
+    path = _generated_corpus(cfg, target, tok, file_prompts) if pairs is None else _imported_corpus(cfg, target, tok,
+                                                                                                    pairs)
     rows = line_count(path)
     if cfg.data.max_documents:
         rows = min(rows, cfg.data.max_documents)

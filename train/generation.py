@@ -9,6 +9,8 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
   judged against the target's exact probabilities (`check_engine`): an engine that samples the wrong
   distribution would teach the draft the wrong target.
 - `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
+A corpus sampled elsewhere (`data.source=` prompt + completion pairs) comes in through `teacher_batches`: one
+teacher pass writes what the loop would have kept.
 """
 
 from __future__ import annotations
@@ -77,6 +79,37 @@ def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, fi
             prefill = None if tap is None else (prompt_features[0], mask, keep_features)
             record = _own_record(gen.tokens, kept, prefill)
         yield start, chunk, [t.tolist() for t in gen.tokens], record, time.perf_counter() - t0
+
+
+def teacher_batches(target, rows: list[list[int]], completions: list[list[int]], batch_size: int, *, first_row: int,
+                    pad: int = 0, keep_logits: int = 0, keep_features: list[int] | None = None, **_):
+    """A corpus generated elsewhere (prompt + completion pairs: SGLang, TensorRT-LLM, an API log of the same model)
+    through one batched teacher pass: what our loop would have kept had it sampled those completions, the target's
+    top-k log-probabilities at each completion token (and a feature draft's features), in the same record."""
+    from draftsmith.sampling.feature import FeatureTap
+
+    for start in range(0, len(rows), batch_size):
+        chunk, comp = rows[start: start + batch_size], completions[start: start + batch_size]
+        seqs = [p + c for p, c in zip(chunk, comp)]
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in seqs])  # left-padded, as the loop pads
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in seqs])
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)  # a left-padded row starts at position 0, as in the loop
+        t0 = time.perf_counter()
+        dev = next(target.parameters()).device
+        with torch.no_grad(), FeatureTap(target, keep_features) if keep_features else nullcontext() as tap:
+            logits = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev)).logits
+            feats = tap.take() if tap is not None else None
+        # completion token t of a row is drawn from the logits at the position before it
+        at = [torch.arange(width - len(c) - 1, width - 1) for c in comp]
+        values, index = top_logprobs(torch.cat([logits[r, a].cpu() for r, a in enumerate(at)]), keep_logits)
+        record = {"values": values, "index": index, "steps": torch.tensor([len(c) for c in comp]),
+                  "tokens": torch.tensor([t for c in comp for t in c], dtype=torch.long)}
+        if feats is not None:  # each row's positions but its last: the prompt's, then one per completion token
+            per_row = [half_features(feats[r, width - len(x): width - 1].cpu()) for r, x in enumerate(seqs)]
+            record["features"], record["layers"] = torch.cat(per_row), torch.tensor(keep_features)
+            record["positions"] = torch.tensor([len(f) for f in per_row])
+        yield start, chunk, comp, record if keep_logits else None, time.perf_counter() - t0
 
 
 def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
