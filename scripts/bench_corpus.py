@@ -1,0 +1,62 @@
+"""Which engine samples the target's corpus faster on this machine: our loop or vLLM, on the same prompts and settings.
+
+    python scripts/bench_corpus.py                                   # demo target, 64 broad prompts, 192 tokens
+    python scripts/bench_corpus.py --target DIR --batch-size 256 --max-new-tokens 256 --json out.json
+
+Each engine samples one batch of the `broad` prompts at the recipe's T 0.8, top-p 0.95 (vLLM in its own venv,
+`bash scripts/install_vllm.sh`; its start is timed apart, it is paid once a run). It prints tokens/s of each and
+the start, and what `data.generated.engine=auto` would choose from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from draftsmith.sampling.load import load_model, load_tokenizer
+from draftsmith.sampling.machine import machine, vllm_python
+from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
+from draftsmith.train.generation import own_batches, vllm_batches
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+
+    tok, target = load_tokenizer(args.target), load_model(args.target, args.dtype, role="teacher")
+    rows = prompt_rows(tok, [r["prompt"] for r in load_prompts("broad", args.batch_size)])
+    common = dict(seed=0, first_row=0, max_new_tokens=args.max_new_tokens, temperature=0.8, top_p=0.95,
+                  eos=tok.eos_token_id)
+    res = {"machine": machine(), "target": args.target, "dtype": str(target.dtype), "batch": len(rows),
+           "max_new_tokens": args.max_new_tokens}
+    for engine in ("draftsmith", "vllm"):
+        if engine == "vllm" and not vllm_python().is_file():
+            print("vllm: not installed (bash scripts/install_vllm.sh)")
+            continue
+        t0 = time.perf_counter()
+        batches = (own_batches(target, rows, len(rows), pad=pad_id(tok), **common) if engine == "draftsmith" else
+                   vllm_batches(args.target, target.dtype, rows, len(rows), **common))
+        _, _, tokens, _, seconds = next(batches)
+        wall = time.perf_counter() - t0
+        batches.close()
+        n = sum(len(t) for t in tokens)
+        res[engine] = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "wall_s": wall}
+        print(f"{engine:>10}: {n} tokens in {seconds:.1f} s = {n / seconds:.0f} tokens/s "
+              f"(wall with the engine's start {wall:.1f} s)")
+    rates = {e: res[e]["tokens_per_s"] for e in ("draftsmith", "vllm") if e in res}
+    print(f"data.generated.engine=auto would choose: {max(rates, key=rates.get)}  "
+          f"({res['machine']['cpu']}, {res['dtype']}, batch {len(rows)})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
