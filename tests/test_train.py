@@ -35,11 +35,17 @@ def compose_cfg(*overrides):
 
 
 @pytest.mark.parametrize("group,name", list(group_files()), ids=[f"{g}/{n}" for g, n in group_files()])
-def test_every_recipe_file_composes_and_instantiates(group, name):
-    cfg = compose_cfg(f"{group}={name}")
+def test_every_recipe_file_composes_and_instantiates(group, name, tmp_path):
+    cfg = compose_cfg(f"{group}={name}", f"out_dir={tmp_path}")
     OmegaConf.resolve(cfg)
     from draftsmith.train.build import DraftConfig
     from draftsmith.train.tracking import loggers
+
+    built = loggers(cfg)  # every logger entry is built by its _target_
+    assert {type(lg).__name__ for lg in built} >= {"CSVLogger"} and all(lg.save_dir == str(tmp_path) for lg in built)
+    for spec in cfg.callbacks.values():  # and every extra callback
+        cb = instantiate(spec)
+        assert getattr(cb, "monitor", cfg.checkpoint.monitor) == cfg.checkpoint.monitor
 
     DraftConfig(**OmegaConf.to_container(cfg.draft))
     kwargs = OmegaConf.to_container(cfg.trainer)
@@ -60,7 +66,8 @@ def test_every_recipe_file_composes_and_instantiates(group, name):
         from draftsmith.sampling.precision import trainer_precision
 
         kwargs["precision"] = trainer_precision(kwargs["precision"], "cpu")  # `auto`, resolved as train/draft.py does
-        kwargs.update(logger=loggers(OmegaConf.create({"logger": {"csv": True, "wandb": None}}), Path("/tmp")),
+        kwargs.update(logger=loggers(OmegaConf.create({"logger": {"csv": {
+            "_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": "/tmp"}, "wandb": None}})),
                       enable_checkpointing=False)
         L.Trainer(**kwargs)
     if group == "recipe":

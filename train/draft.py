@@ -145,8 +145,8 @@ def train(cfg: DictConfig) -> dict:
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
-                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb],
-                        logger=loggers(cfg, out_dir))
+                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, *_callbacks(cfg)],
+                        logger=loggers(cfg))
     if trainer.is_global_zero:
         log_config(trainer.loggers, cfg, run=run_info(target=target), training_precision=str(trainer.precision),
                    draft_params=sum(p.numel() for p in draft.parameters()), corpus=data)
@@ -202,6 +202,11 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None,
                            engine=engine, target_name=cfg.target.name, check=check,
                            tensor_parallel_size=g.get("tensor_parallel_size", 1))
+
+
+def _callbacks(cfg) -> list:
+    """The `callbacks` group's extra Lightning callbacks, each built by its `_target_`."""
+    return [instantiate(spec) for spec in (cfg.get("callbacks") or {}).values() if spec]
 
 
 def _imported_corpus(cfg, target, tok, pairs) -> Path:

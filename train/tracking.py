@@ -22,22 +22,27 @@ def _wandb_mode(mode: str) -> str:
     return "offline"
 
 
-def loggers(cfg, out_dir: Path) -> list:
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+def loggers(cfg, out_dir: Path | None = None) -> list:
+    """The `logger` group's entries, each built by its `_target_` (an entry set to null is off)."""
+    from hydra.utils import instantiate
 
-    out = []
-    if cfg.logger.get("csv"):
-        out.append(CSVLogger(str(out_dir), name="csv", version=""))
-    wb = cfg.logger.get("wandb")
-    if wb:
-        mode = _wandb_mode(wb.get("mode", "auto"))
-        if mode != "disabled":
-            os.environ["WANDB_MODE"] = mode  # WandbLogger(offline=True) would set the legacy "dryrun" instead
-            out.append(WandbLogger(project=wb.get("project", "draftsmith"), entity=wb.get("entity"),
-                                   group=wb.get("group"), tags=list(wb.get("tags") or []), save_dir=str(out_dir),
-                                   name=Path(out_dir).name, id=run_id(out_dir),  # resumed runs log to the same run
-                                   settings={"init_timeout": 60, "silent": True}))
-    return out
+    built = [instantiate(spec) for spec in (cfg.get("logger") or {}).values() if spec]
+    return [lg for lg in built if lg is not None]
+
+
+def wandb_logger(save_dir, project: str = "draftsmith", entity: str | None = None, group: str | None = None,
+                 tags=(), mode: str = "auto", **kwargs):
+    """Lightning's WandbLogger for the run directory `save_dir`: its id kept there (a resumed run logs to the same
+    W&B run), the mode resolved so it never blocks (`_wandb_mode`); None when disabled."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    mode = _wandb_mode(mode)
+    if mode == "disabled":
+        return None
+    os.environ["WANDB_MODE"] = mode  # WandbLogger(offline=True) would set the legacy "dryrun" instead
+    return WandbLogger(project=project, entity=entity, group=group, tags=list(tags or []), save_dir=str(save_dir),
+                       name=Path(save_dir).name, id=run_id(save_dir),
+                       settings=kwargs.pop("settings", {"init_timeout": 60, "silent": True}), **kwargs)
 
 
 def run_id(out_dir: Path) -> str:
