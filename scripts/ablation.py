@@ -1,62 +1,49 @@
-"""What trains the best draft at equal wall time: data source x loss, and draft depth (the capacity frontier).
+"""The ablation's table and plot, read from a finished Hydra multirun: what trains the best draft at equal wall time.
 
-    python scripts/ablation.py --minutes 10                      # the full grid, ~10 min of training per run
-    python scripts/ablation.py --minutes 5 --only data loss      # a subset of the grids
-    python scripts/ablation.py --plot-only                       # redraw docs/ablation from finished runs
-    python scripts/ablation.py --curve outputs/DATE/TIME         # alpha against training tokens of one run
+    python train/draft.py -m recipe=shallow_wide hparams_search=ablation trainer.max_time=00:00:07:00
+    python scripts/ablation.py multirun/DATE/TIME                 # -> docs/ablation/{ablation.json,.md,.png}
+    python scripts/ablation.py multirun/DATE/TIME --out DIR       # elsewhere
+    python scripts/ablation.py --curve outputs/DATE/TIME          # alpha against training tokens of one run
 
-Each run is `python train/draft.py recipe=shallow_wide` with one change, time-boxed by `trainer.max_time` (the LR
-schedule follows time, so every run anneals fully), validated only when time is up (its time goes to training),
-and the run's report: alpha from the real sampler and `alpha_on_target` (teacher-forced on the
-target's own samples, noise-free) on the shipped `code` and `english` prompt sets, and c. Finished runs are
-skipped, so an interrupted ablation resumes. Results: docs/ablation/{ablation.json, ablation.md, ablation.png}.
+Hydra runs the grid (`recipes/hparams_search/ablation.yaml`: data x loss x depth; narrow it on the command line,
+e.g. `data=generated loss=distill_tv draft.layers=1,2,3`); each job is one run directory with its overrides and
+report. A job that failed or is still running is left out and named. The right panel is the capacity frontier
+(held-out acceptance against the draft's cost c, labelled with the predicted speed-up) when the grid varies depth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WINNER = {"data": "generated", "loss": "distill_tv"}  # the data grid's winner: the loss and depth grids vary from it
-GRIDS = {
-    "data": [{"data": d, "loss": "distill_tv"} for d in ("fixed", "generated", "on_policy", "mixed")],
-    "loss": [{**WINNER, "loss": loss} for loss in ("forward_kl", "jsd")],
-    "capacity": [{**WINNER, "draft.layers": n} for n in (1, 2, 4, 6)],
-}
-BASE = {"recipe": "shallow_wide", "data": "fixed", "loss": "distill_tv", "draft.layers": 3}
+WINNER = {"data": "generated", "loss": "distill_tv"}  # the data grid's winner: the depth plot varies from it
 
 
-def name_of(change: dict) -> str:
-    cfg = {**BASE, **change}
-    return f"{cfg['data']}-{cfg['loss']}-L{cfg['draft.layers']}"
+def jobs(multirun: Path) -> list[tuple[dict, Path]]:
+    """(the job's grid point, its run dir) of every finished job of a Hydra multirun directory, in job order."""
+    import yaml
+
+    out = []
+    for d in sorted((p for p in multirun.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()),
+                    key=lambda p: int(p.name) if p.name.isdigit() else p.name):
+        overrides = dict(o.split("=", 1) for o in yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text()))
+        cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
+        point = {"data": overrides.get("data", "fixed"), "loss": overrides.get("loss", "?"),
+                 "draft.layers": int(overrides.get("draft.layers", cfg["draft"].get("layers") or 0))}
+        if (d / "report.json").is_file():
+            out.append((point, d))
+        else:
+            print(f"  {d.name} ({' '.join(f'{k}={v}' for k, v in overrides.items())}): no report.json (failed or "
+                  "running): left out", file=sys.stderr)
+    return out
 
 
-def run(change: dict, minutes: float, runs_dir: Path, extra: list[str]) -> dict | None:
-    out = runs_dir / name_of(change)
-    report = out / "report.json"
-    if report.is_file():
-        return json.loads(report.read_text())
-    cfg = {**BASE, **change}
-    m = int(minutes)
-    overrides = [f"{k}={v}" for k, v in cfg.items()] + [
-        f"trainer.max_time=00:00:{m:02d}:{int(round((minutes - m) * 60)):02d}", "trainer.max_steps=1000000",
-        "trainer.val_check_interval=1000000", "eval.baseline=false", "logger=csv",
-        f"hydra.run.dir={out}", *extra]
-    print(f"[{time.strftime('%H:%M:%S')}] {name_of(change)}: {' '.join(overrides)}", flush=True)
-    with (runs_dir / f"{name_of(change)}.log").open("w") as log:
-        res = subprocess.run([sys.executable, str(ROOT / "train" / "draft.py"), *overrides], stdout=log,
-                             stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, WANDB_MODE="offline"))
-    if res.returncode != 0 or not report.is_file():
-        print(f"  failed (exit {res.returncode}); see {runs_dir / name_of(change)}.log", flush=True)
-        return None
-    return json.loads(report.read_text())
+def name_of(point: dict) -> str:
+    return f"{point['data']}-{point['loss']}-L{point['draft.layers']}"
 
 
 def steps_done(run_dir: Path) -> int:
@@ -73,11 +60,11 @@ def run_minutes(run_dir: Path) -> float:
     return (d * 24 + h) * 60 + m + s / 60
 
 
-def row(change: dict, report: dict, run_dir: Path) -> dict:
+def row(point: dict, report: dict, run_dir: Path) -> dict:
     ev = report["eval"]["last"]
     v = report["cost"]["v"]
     k = report["sampler"]["k"]
-    return {"name": name_of(change), **{**BASE, **change}, "c": report["c"], "k": k, "v": v[str(k)] if str(k) in v
+    return {"name": name_of(point), **point, "c": report["c"], "k": k, "v": v[str(k)] if str(k) in v
             else v[k], "wall_s": report["wall_s"], "steps": steps_done(run_dir),
             **{f"{ps}_{k}": ev[ps][k] for ps in ev for k in ("alpha", "alpha_on_target", "tokens_per_call")}}
 
@@ -181,42 +168,25 @@ def curve(run_dir: Path, out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=10.0, help="training wall time per run")
-    ap.add_argument("--only", nargs="+", choices=list(GRIDS), default=list(GRIDS))
-    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "ablation")
+    ap.add_argument("multirun", type=Path, nargs="?", help="a finished `-m` run's directory (multirun/DATE/TIME)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "ablation")
-    ap.add_argument("--plot-only", action="store_true", help="collect finished runs, start none")
-    ap.add_argument("--curve", type=Path, help="plot alpha against training tokens of this run dir, start none")
-    ap.add_argument("overrides", nargs="*", help="extra overrides for every run (e.g. data.prompts=train)")
+    ap.add_argument("--curve", type=Path, help="plot alpha against training tokens of this run dir instead")
     args = ap.parse_args(argv)
     if args.curve:
         curve(args.curve, args.out)
         return 0
-    if args.minutes <= 0:
-        print("error: --minutes must be > 0", file=sys.stderr)
+    if args.multirun is None or not args.multirun.is_dir():
+        print(f"error: {args.multirun} is not a multirun directory: run `python train/draft.py -m "
+              "recipe=shallow_wide hparams_search=ablation` first, then pass its multirun/DATE/TIME", file=sys.stderr)
         return 2
-    args.runs.mkdir(parents=True, exist_ok=True)
-    changes = [c for g in args.only for c in GRIDS[g]]
-    changes = [c for i, c in enumerate(changes) if name_of(c) not in {name_of(d) for d in changes[:i]}]
-    if "data" not in args.only:  # every grid compares against the default cell
-        changes.insert(0, dict(WINNER))
-    rows = []
-    for change in changes:
-        report = None
-        if args.plot_only:
-            p = args.runs / name_of(change) / "report.json"
-            report = json.loads(p.read_text()) if p.is_file() else None
-        else:
-            report = run(change, args.minutes, args.runs, args.overrides)
-        if report:
-            rows.append(row(change, report, args.runs / name_of(change)))
-    if not rows:
-        print("error: no finished run to report", file=sys.stderr)
+    found = jobs(args.multirun)
+    if not found:
+        print(f"error: no finished job (with a report.json) in {args.multirun}", file=sys.stderr)
         return 1
-    info = {k: v for k, v in json.loads((args.runs / rows[0]["name"] / "report.json").read_text()).items()
-            if k in ("machine", "dtype", "training_precision", "sampler")}
-    minutes = run_minutes(args.runs / rows[0]["name"]) if args.plot_only else args.minutes
-    write(rows, args.out, minutes, {**info, "overrides": args.overrides})
+    rows = [row(p, json.loads((d / "report.json").read_text()), d) for p, d in found]
+    first = json.loads((found[0][1] / "report.json").read_text())
+    info = {k: v for k, v in first.items() if k in ("machine", "dtype", "training_precision", "sampler")}
+    write(rows, args.out, run_minutes(found[0][1]), {**info, "multirun": str(args.multirun)})
     return 0
 
 
