@@ -288,6 +288,33 @@ def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) ->
                               f"{spec['acceptance'][ps]['alpha']}: the saved draft is not the measured one")
 
 
+def log_bundle(run_dir: Path, bundle: Path, spec: dict) -> str | None:
+    """The bundle as a W&B artifact (type `bundle`) of the run that trained its draft: that W&B run is resumed by
+    its id (OUT_DIR/wandb_id), in the run's own project and mode, so its page holds the draft (`model`) and what
+    was shipped of it together. Returns the run id; None when the run did not log to W&B."""
+    id_file = run_dir / "wandb_id"
+    hydra_cfg = run_dir / ".hydra" / "config.yaml"
+    if not id_file.is_file() or not hydra_cfg.is_file():
+        return None
+    from draftsmith.train.tracking import _wandb_mode
+
+    wb = (yaml.safe_load(hydra_cfg.read_text()).get("logger") or {}).get("wandb") or {}
+    mode = _wandb_mode(wb.get("mode", "auto"))
+    if mode == "disabled":
+        return None
+    import wandb
+
+    run = wandb.init(id=id_file.read_text().strip(), resume="allow", project=wb.get("project", "draftsmith"),
+                     entity=wb.get("entity"), dir=str(run_dir), mode=mode,
+                     settings=wandb.Settings(silent=True, init_timeout=60))
+    art = wandb.Artifact(f"bundle-{run.id}", type="bundle", metadata={
+        k: spec.get(k) for k in ("recommended_k", "c", "acceptance", "predicted_speedup", "sampling", "dtype")})
+    art.add_dir(str(bundle))
+    run.log_artifact(art, aliases=["latest"])
+    run.finish()
+    return run.id
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path, help="run directory (best draft), a .ckpt of a run, or a draft checkpoint dir")
@@ -299,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
+    ap.add_argument("--no-wandb", action="store_true",
+                    help="do not log the bundle as an artifact of the run's W&B run (logged when the run used W&B)")
     args = ap.parse_args(argv)
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
@@ -313,6 +342,10 @@ def main(argv=None) -> int:
         print(f"  {ps:<10} alpha {r['alpha']:.3f}  tokens/call {r['tokens_per_call']:.2f}")
     print(f"  c {spec['c']:.3f}  recommended K {spec['recommended_k']} "
           f"(predicted {spec['predicted_speedup'][str(spec['recommended_k'])]:.2f}x)")
+    run_dir = args.src if (args.src / "best_draft").is_dir() else None
+    run_id = None if args.no_wandb or run_dir is None else log_bundle(run_dir, out, spec)
+    if run_id:
+        print(f"  logged to W&B run {run_id} as artifact bundle-{run_id}")
     return 0
 
 

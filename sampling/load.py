@@ -53,7 +53,7 @@ class _TinyRandom:
 @dataclass(frozen=True)
 class _Shape:
     """A config.json with no weights, shipped with the recipes (recipes/shapes/NAME): a target to plan for
-    (`+plan=true`), not to load."""
+    (`plan=true`), not to load."""
 
     folder: str
 
@@ -226,7 +226,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ModelNotFound(f"{path} holds a config but no weights: a shape to plan for (+plan=true), not a model "
+        raise ModelNotFound(f"{path} holds a config but no weights: a shape to plan for (plan=true), not a model "
                             "to load; point target.name at a checkpoint with its weights")
     cuda = str(device).startswith("cuda")
     explicit = dtype != "auto"

@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+import draftsmith.train  # noqa: E402,F401  (registers the config schema that recipes/draft.yaml starts from)
+
 torch.set_num_threads(2)
 
 

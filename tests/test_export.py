@@ -114,3 +114,29 @@ def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: transformers failed on {out}: AttributeError: 'X' object has no attribute")
     assert "Traceback" not in "\n".join(err)
+
+
+def test_export_logs_the_bundle_to_the_runs_wandb_run(smoke_run, tmp_path):
+    """`export RUN` resumes the W&B run that trained the draft (its id in OUT_DIR/wandb_id) and adds the bundle as a
+    `bundle` artifact beside the `model` one: read from the offline run files, what `wandb sync` uploads."""
+    import shutil
+
+    from helpers import wandb_records
+
+    from draftsmith.deploy.export import main
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run[0], run)
+    run_id = (run / "wandb_id").read_text().strip()
+    before = set((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert main([str(run), "--out", str(tmp_path / "bundle"), "--n-prompts", "1", "--max-new-tokens", "8"]) == 0
+    (new,) = set((run / "wandb").glob("offline-run-*/run-*.wandb")) - before
+    recs = wandb_records(new)
+    assert {r.run.run_id for r in recs if r.WhichOneof("record_type") == "run"} == {run_id}
+    (art,) = [r.artifact for r in recs if r.WhichOneof("record_type") == "artifact"]
+    assert art.type == "bundle" and art.name == f"bundle-{run_id}"
+    files = {e.path for e in art.manifest.contents}
+    assert {"speculative.json", "vllm_speculative_config.json", "draft/model.safetensors", "README.md"} <= files
+    assert main([str(run), "--out", str(tmp_path / "b2"), "--n-prompts", "1", "--max-new-tokens", "8",
+                 "--no-wandb"]) == 0
+    assert len(set((run / "wandb").glob("offline-run-*/run-*.wandb"))) == len(before) + 1

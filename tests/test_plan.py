@@ -1,4 +1,4 @@
-"""`+plan=true`: the draft's shape and each rank's memory under each strategy, from a target's config alone. The
+"""`plan=true`: the draft's shape and each rank's memory under each strategy, from a target's config alone. The
 figures are checked where they can be: against a tiny draft actually built and stepped with AdamW."""
 
 import pytest
@@ -38,7 +38,7 @@ def test_plan_counts_what_a_built_and_stepped_draft_holds():
 
 
 def test_plan_for_the_70b_shape_prints_the_papers_ratio(tmp_path):
-    res = run_entry("recipe=paper_ratio_70b", "+plan=true", "trainer.devices=8", f"hydra.run.dir={tmp_path}")
+    res = run_entry("recipe=paper_ratio_70b", "plan=true", "trainer.devices=8", f"hydra.run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     print(out)

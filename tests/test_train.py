@@ -321,6 +321,8 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     (["recipe=smoke", "+draft.extra.vocab_size=100"], "vocabulary"),
     (["recipe=smoke", "draft.draft_vocab=512"], "prunes nothing"),
     (["recipe=smoke", "+draft.unknown=1"], "unknown draft setting(s) draft.unknown: draft.* takes depth_ratio"),
+    (["recipe=smoke", "+optim.lrr=1"], "unknown setting optim.lrr: optim takes lr, betas"),  # the schema
+    (["recipe=smoke", "optim.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
 ])
 def test_bad_input_fails_with_one_clear_line_and_no_output(tmp_path, overrides, msg):
     out = tmp_path / "run"

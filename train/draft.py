@@ -29,6 +29,7 @@ from draftsmith.sampling.precision import run_info, trainer_precision
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
+from draftsmith.train import schema
 from draftsmith.train.build import DraftConfig, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.corpus import (
@@ -64,6 +65,7 @@ log = logging.getLogger("draftsmith")
 
 def train(cfg: DictConfig) -> dict:
     t0 = time.time()
+    schema.check(cfg)  # a key a `+` override invented, before any work
     L.seed_everything(cfg.seed, verbose=False)
     if cfg.get("plan"):  # what a run would hold per rank, from the target's config alone; nothing is trained
         return _plan(cfg)
@@ -243,7 +245,7 @@ def _plan(cfg) -> dict:
 
     draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
-        raise SetupError("+plan=true sizes independent drafts; a feature head is one layer of the target's width")
+        raise SetupError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
     target_config = AutoConfig.from_pretrained(resolve(cfg.target.name))
     devices = cfg.trainer.get("devices", 1)
     ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)

@@ -1,8 +1,8 @@
 """The plan before a large run: the draft's shape and what each rank holds under each strategy, from the target's
 config alone (no weights are read, nothing is allocated: the models are built on the meta device).
 
-    python train/draft.py recipe=paper_ratio_70b +plan=true
-    python train/draft.py recipe=shallow_wide target.name=DIR_WITH_CONFIG_JSON +plan=true trainer.devices=8
+    python train/draft.py recipe=paper_ratio_70b plan=true
+    python train/draft.py recipe=shallow_wide target.name=DIR_WITH_CONFIG_JSON plan=true trainer.devices=8
 
 Bytes per trained parameter follow mixed-precision AdamW (Lightning's `bf16-mixed`, DeepSpeed and FSDP alike):
 fp32 weights 4, fp32 gradients 4, two fp32 moments 8. DDP replicates all 16 on each rank; ZeRO-2 shards the
