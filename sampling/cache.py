@@ -2,8 +2,7 @@
 
 transformers' DynamicCache appends with `torch.cat`: every decoding step copies each layer's whole cache, so a
 token costs O(length) in copies, and the allocator, handed a slightly larger block per layer per step, keeps RSS
-growing past the cache itself (measured on the demo target at batch 16 and 200 tokens: 293 MB beyond the KV
-caches). Here each layer's keys and values live in one buffer of the generation's final length, written in
+growing past the cache itself (docs/results.md, Memory). Here each layer's keys and values live in one buffer of the generation's final length, written in
 place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark.
 
 Speculative decoding at batch > 1 leaves masked holes (rejected slots of rows that accepted less than others):
@@ -124,9 +123,9 @@ def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor | None:
 def keep_index(logits_to_keep: int | None, T: int, device=None):
     """`logits_to_keep` for a forward over T new positions: the index tensor of the last ones when only some are
     kept. Their slice is a non-contiguous (B > 1, k, H) view, and a linear layer over a non-contiguous 3-D input
-    falls back to a batched product that copies its weight once per row: the demo's 49k-row head after a prefill
-    of batch 64 took 7.1 s in bf16 and 0.23 s in fp32, against 0.011 s and 0.021 s over a gathered copy (measured,
-    torch 2.13 CPU). Transformers' models and ours take the index as it is."""
+    falls back to a batched product that copies its weight once per row (torch 2.13 on a CPU: the demo's 49k-row
+    head after a batch-64 prefill, hundreds of times slower in bf16 than over a gathered copy). Transformers' models
+    and ours take the index as it is."""
     if isinstance(logits_to_keep, int) and 0 < logits_to_keep < T:
         return torch.arange(T - logits_to_keep, T, device=device)
     return logits_to_keep
@@ -147,9 +146,8 @@ class Decoder:
         """capacity: the cache length a generation can reach, when known: its KV cache is then allocated once and
         written in place. holes: speculative decoding keeps rejected slots as masked holes (batch > 1), so its
         caches would outgrow the tokens by up to (K + 1) / tokens_per_call; once more than `holes` slots of the
-        longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity. Measured
-        (demo, batch 16, K 4, fp32, scripts/bench_memory.py): peak RSS 1521 MB at 250 tokens and 2224 MB at 1,000
-        this way; DynamicCache with its holes 1829 MB and 3265 MB."""
+        longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity
+        (`scripts/bench_memory.py`; docs/results.md, Memory)."""
         self.model = model
         if hasattr(model, "new_cache"):  # a feature draft: one layer of its own
             self.cache = model.new_cache(capacity)

@@ -1,14 +1,13 @@
 """Static-shape decoding steps compiled with torch.compile (opt-in: `compile=True`).
 
 Eager decoding pays per-operator overhead every step: compiled, a step fuses the small operators (norms, RoPE,
-activations, residual adds) around the matrix products. See `_step_fn` and docs/bench for what it measured.
+activations, residual adds) around the matrix products. What it gains: docs/sampler.md and docs/results.md.
 
 A model in bf16 or fp16 whose weights no optimiser updates (every parameter `requires_grad=False`: a loaded target
 or draft) is compiled with its weights frozen into the graph, and its products by inductor's C++ GEMM template
-where that wins at autotuning: on a CPU with AMX, the template's bf16 micro-kernels over weights packed once.
-Measured on the demo target in bf16 (AMX Xeon, 2 threads): a 1-token step 25-28 ms, against 48-57 ms compiled
-unfrozen and 48-64 ms eager; aten's own bf16 product of one row reads the weights at 6 GB/s there, the template's
-at 13. The price is compile time (~1.5 min a step shape here instead of 10-20 s) and a guard: the weights'
+where that wins at autotuning: on a CPU with AMX, the template's bf16 micro-kernels over weights packed once read
+the weights about twice as fast as aten's one-row product, which about halves a 1-token step (docs/sampler.md).
+The price is compile time (minutes a step shape instead of seconds) and a guard: the weights'
 identity and version are checked at every generation, and a frozen graph whose weights changed in place is thrown
 away and compiled again.
 
@@ -20,8 +19,7 @@ generation:
 - finished rows stay in the batch (their results are dropped): dropping them would be a new batch size.
 The price: every step reads the whole cache, and finished rows are still computed. At batch 1 the cache is small
 beside the weights; at batch 63 with 512 slots it is ~1.5 GB of keys and values per step of the demo target, and
-compiled sampling of 63 rows x 128 tokens ran at 77 tokens/s against 131 eager (AVX2 EPYC, fp32). Compile for
-few rows.
+compiled sampling of that many rows runs slower than eager. Compile for few rows.
 The shapes left are the number of new tokens per step: 1 for a draft step and for plain decoding, K + 1 for a
 verify pass, 2 when a draft catches up on a token it never saw. Each compiles once per process (tens of seconds
 on this CPU; `compile_report()` lists them). Prefill (one pass over the prompt) runs eagerly on the same cache.
@@ -88,9 +86,9 @@ def _weights_key(model) -> tuple | None:
 def _step_fn(model):
     """The compiled forward of `model`: tensors in, logits out (a pruned head's over its subset). Made once per
     model and weights: a trained draft's weights stay inputs of the graph, so a draft validated between optimiser
-    steps is read as it is now, and the calibrated kernels of `kernels.py` are traced into it (measured on the demo
-    target, AVX2 EPYC, 2 threads: a 5-token step took 52-57 ms with them and 72-88 ms with inductor's own frozen,
-    packed products, a 1-token step 38-43 ms and 45-53 ms). Frozen weights are frozen into the graph (`FROZEN`)."""
+    steps is read as it is now, and the calibrated kernels of `kernels.py` are traced into it (on an AVX2 CPU they
+    beat inductor's own frozen, packed products at these few rows). Frozen weights are frozen into the graph
+    (`FROZEN`)."""
     key = _weights_key(model)
     step = model.__dict__.get("_draftsmith_step")
     if step is not None and step.key != key:

@@ -180,8 +180,8 @@ def _decode_ms(model, k: int, context: int = 128, reps: int = 3) -> float:
 def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     """The faster dtype for batch-1 decoding of this model on this machine, measured on the model itself (an fp32
     model is timed, then a bf16 copy). Small synthetic layers mislead here: they sit in cache and miss the
-    (K+1)-token pass's slow bf16 paths (measured on SmolLM2-135M, AVX2: a skeleton said bf16 1.3x faster, the
-    model itself runs 1 + 5 tokens in 146 ms in fp32 and 169 ms in bf16)."""
+    (K+1)-token pass's slow bf16 paths (on an AVX2 CPU a skeleton ranked bf16 first, while the demo target itself
+    decodes faster in fp32)."""
     v = verdict(quiet=quiet)
     mid = model_id(model)
     hit = v.get("models", {}).get(mid)
