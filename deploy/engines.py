@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,13 +213,23 @@ class VllmEngine(Engine):
             env.pop("PYTHONPATH", None)
             mode = "speculative" if speculative else "plain"
             print(f"  vllm ({mode}): starting the engine in {self.python.parent.parent}", file=sys.stderr)
+            proc = subprocess.Popen([str(self.python), str(WORKER), str(req), str(res)], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            timer = threading.Timer(self.timeout_s, proc.kill)  # a hung engine must not hang the check
+            timer.start()
+            lines = []
             try:
-                proc = subprocess.run([str(self.python), str(WORKER), str(req), str(res)], env=env,
-                                      capture_output=True, text=True, timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                raise EngineFailed(f"vllm ({mode}) did not finish within {self.timeout_s} s") from None
+                for line in proc.stdout:  # vLLM may run for many minutes: its progress lines are shown as they come
+                    lines.append(line.rstrip())
+                    if line.startswith("draftsmith: "):
+                        print(f"  vllm ({mode}): {line[len('draftsmith: '):].rstrip()}", file=sys.stderr, flush=True)
+                proc.wait()
+            finally:
+                expired = not timer.is_alive() and proc.returncode != 0
+                timer.cancel()
+            if expired:
+                raise EngineFailed(f"vllm ({mode}) did not finish within {self.timeout_s} s")
             if proc.returncode != 0 or not res.is_file():
-                lines = (proc.stderr or proc.stdout).strip().splitlines()
                 causes = [ln for ln in lines if "Error:" in ln][-3:]  # the root cause, not the shutdown trace
                 tail = "\n".join(causes or lines[-15:])
                 raise EngineFailed(f"vllm ({mode}) exited with status {proc.returncode}:\n{tail}")

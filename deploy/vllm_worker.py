@@ -27,10 +27,12 @@ def main(request_path: str, result_path: str) -> None:
 
     req = json.loads(open(request_path).read())
     # eager mode and a 512-token window: the CPU build's compile step and default KV space cost minutes and GBs
+    t0 = time.perf_counter()
     llm = LLM(model=req["target"], speculative_config=req["speculative_config"], dtype=req["dtype"],
               max_model_len=512, enforce_eager=True, seed=0, disable_log_stats=False)
+    print(f"draftsmith: engine started in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     results = []
-    for job in req["jobs"]:
+    for i, job in enumerate(req["jobs"]):
         greedy = job["temperature"] == 0
         params = SamplingParams(n=job["n"], temperature=job["temperature"], top_p=1.0 if greedy else job["top_p"],
                                 max_tokens=job["max_new_tokens"], seed=job["seed"])
@@ -41,6 +43,9 @@ def main(request_path: str, result_path: str) -> None:
         seconds = time.perf_counter() - t0
         after = counters(llm)
         delta = {k: after[k] - before.get(k, 0) for k in after}
+        # progress the parent shows (the lines it passes on start with 'draftsmith: ')
+        print(f"draftsmith: job {i + 1}/{len(req['jobs'])}: {len(prompts)} prompt(s) x {job['n']} in {seconds:.1f} s",
+              file=sys.stderr, flush=True)
         results.append({"tokens": [[list(c.token_ids) for c in o.outputs] for o in outs], "seconds": seconds,
                         "drafted": delta.get("spec_decode_num_draft_tokens"),
                         "accepted": delta.get("spec_decode_num_accepted_tokens"), "extra": delta})
