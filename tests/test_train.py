@@ -210,6 +210,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     out, res = smoke_run
     report = json.loads((out / "report.json").read_text())
     assert "best draft:" in res.stdout and str(out / "best_draft") in res.stdout
+    assert f"plot: {out / 'acceptance.png'}" in res.stdout and (out / "acceptance.png").stat().st_size > 10_000
     assert report["eval"]["best"]["code"]["alpha"] is not None and report["c"] > 0
     assert report["validation_history"] and report["validation_history"][-1]["step"] == 6
     # precision `auto` resolved on this machine, whichever way it went, and recorded with what it ran on

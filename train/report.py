@@ -98,7 +98,42 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "draft_head_tokens": None if head is None else len(head),
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    plot_report(report, out_dir / "acceptance.png")
     return report
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """The run at a glance: acceptance at each validation (left) and the final drafts' acceptance on each prompt
+    set, sampled and teacher-forced on the target's samples, against the cut-target baseline (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    hist = report["validation_history"]
+    for key, style in (("val/alpha_on_target", "o-"), ("val/alpha", "s--"), ("val/alpha_analytic", "^:")):
+        pts = [(h["step"], h[key]) for h in hist if key in h]
+        if pts:
+            left.plot(*zip(*pts), style, label=key)
+    left.set_xlabel("step")
+    left.set_ylabel("acceptance")
+    left.set_title(f"validation ({report['monitor']} best {report['best_score'] or float('nan'):.3f})")
+    left.legend()
+    names, sets = list(report["eval"]), sorted({ps for r in report["eval"].values() for ps in r})
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(sets))]
+        right.bar(xs, [report["eval"][name][ps]["alpha_on_target"] for ps in sets], width, label=name)
+        right.scatter(xs, [report["eval"][name][ps]["alpha"] for ps in sets], color="black", s=12, zorder=3)
+    right.set_xticks(range(len(sets)), sets)
+    s = report["sampler"]
+    right.set_ylabel("alpha_on_target (bars), alpha (dots)")
+    right.set_title(f"final drafts, T {s['temperature']}, top-p {s['top_p']}, K {s['k']}; c {report['c']:.3f}")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def print_report(report: dict) -> None:
@@ -119,3 +154,4 @@ def print_report(report: dict) -> None:
         print(f"training throughput: {report['train_tokens_per_s']:.0f} tokens/s")
     print(f"wall time: {report['wall_s'] / 60:.1f} min (training precision {report['training_precision']}; "
           f"{describe_run(report)})")
+    print(f"plot: {Path(report['best_draft']).parent / 'acceptance.png'}")
