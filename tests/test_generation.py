@@ -108,3 +108,15 @@ def test_entry_trains_on_pairs_sampled_elsewhere(tmp_path, monkeypatch):
     filled, total = (int(w) for w in line.split()[1:4:2])
     assert total > 0 and filled >= 0.8 * total, line  # the rest hold prompt tokens only (no teacher to keep there)
     assert (tmp_path / "run" / "best_draft").is_dir()
+
+
+def test_the_store_estimate_counts_logits_and_features():
+    """What a corpus' kept store will take, said before sampling: 6 bytes a kept log-probability (fp16 value, int32
+    id), 2 a feature value at every position the target ran on (an 8B target's features: 3 x 4096 a position)."""
+    from draftsmith.train.corpus import store_estimate
+
+    line = store_estimate(1000, 192, 128)
+    assert "top-128 logits" in line and "0.137 GiB for 1000 samples" in line and "(0.141 MiB a sample)" in line
+    line = store_estimate(100_000, 256, 128, features=3 * 4096, prompt_tokens=64)
+    per = 256 * 128 * 6 + 320 * 3 * 4096 * 2
+    assert f"{100_000 * per / 2**30:.3g} GiB" in line and "12288 feature values" in line
