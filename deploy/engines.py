@@ -67,6 +67,7 @@ class Output:
 
 class Engine:
     name = "?"
+    precision = "fp32"  # what the engine computes the target in: the greedy check's rounding band (conformance)
 
     def version(self) -> str:
         raise NotImplementedError
@@ -81,7 +82,8 @@ class _InProcess(Engine):
     def __init__(self, bundle):
         self.bundle = bundle
         dtypes = bundle.spec.get("dtype", {})
-        self.target = load_model(str(bundle.target_dir), dtypes.get("target", "fp32"))
+        self.precision = dtypes.get("target", "fp32")
+        self.target = load_model(str(bundle.target_dir), self.precision)
         self.draft = load_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
         if not self.pruned_head:
             self.draft = split_head(self.draft)[0]

@@ -102,3 +102,27 @@ def test_cli_refuses_an_edited_or_incomplete_bundle_or_a_missing_engine(sharp_bu
     monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     assert main([str(sharp_bundle), "--engine", "vllm"]) == 2
     assert "bash scripts/install_vllm.sh" in capsys.readouterr().err
+
+
+def test_greedy_ties_are_judged_at_the_precision_the_engine_computes_in():
+    """A verify pass of K + 1 tokens rounds differently from 1-token steps: in fp32 the logits barely move with the
+    pass's shape, in bf16 by a good part of a logit. The greedy check allows a divergence only between candidates
+    closer than twice that shape noise; a wider gap still fails."""
+    from conftest import tiny_llama
+
+    from draftsmith.deploy.conformance import _judge_greedy, shape_noise
+
+    model = tiny_llama(vocab=256, layers=2, hidden=128, heads=4, seed=4, logit_scale=8.0)
+    prompts, cont = [[1, 5, 9, 3, 17, 22, 8, 40]], [[7, 2, 11, 4, 8, 6, 30, 31, 12, 13]]
+    fp32 = shape_noise(model, prompts, cont)
+    bf16 = shape_noise(model.to(torch.bfloat16), prompts, cont)
+    model.float()
+    assert fp32 < 1e-4 < bf16
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]])).logits[0, -1]
+    order = logits.argsort(descending=True).tolist()
+    gap = float(logits[order[0]] - logits[order[-1]])  # the best and the worst candidate: far apart
+    plain, spec = [[[order[0]]]], [[[order[-1]]]]
+    assert _judge_greedy(model, prompts, plain, spec, 1e-3, noise=0.0)["verdict"] == "fail"
+    assert _judge_greedy(model, prompts, plain, spec, 1e-3, noise=gap / 2 + 1e-3)["verdict"] == "pass"
+    assert _judge_greedy(model, prompts, plain, spec, 1e-3, noise=gap / 2 - 1e-3)["verdict"] == "fail"
