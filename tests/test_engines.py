@@ -146,7 +146,7 @@ def _sample_file(tmp_path, name):
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
 def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target, tmp_path, monkeypatch):
     """data.generated.engine=vllm: its plain sampling passes the chi-square against the target's exact probabilities
-    first; its samples land in our store (JSONL rows + kept top-k log-probabilities, read by the trainer's index),
+    first; two engines (data parallel) take the batches in turn; their samples land in our store (JSONL rows + kept top-k log-probabilities, read by the trainer's index),
     and the kept values are the target's raw log-probabilities (vLLM's raw_logprobs): at the ids vLLM kept, our
     fp32 forward on the same tokens agrees to fp16 rounding. An engine checked against the wrong distribution (a
     planted mismatch of temperature) is refused before any row is written."""
@@ -162,7 +162,7 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     k = 16
     generate_corpus(target, tok, prompts, tmp_path / "c.jsonl", max_new_tokens=24, temperature=0.8, top_p=0.95,
                     batch_size=4, keep_logits=k, engine="vllm", target_name="smollm2-135m", check=check,
-                    progress=False)
+                    data_parallel_size=2, progress=False)  # two engines, a batch each
     verdict = json.loads((tmp_path / "engine_checks.json").read_text())
     print("check:", verdict)
     assert [v["pass"] for v in verdict.values()] == [True]

@@ -242,7 +242,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     seed: int = 0, progress: bool = True, max_seconds: float | None = None,
                     keep_logits: int = 0, keep_features: list[int] | None = None, engine: str = "draftsmith",
                     target_name: str | None = None, check=None, tensor_parallel_size: int = 1,
-                    completions: list[str] | None = None) -> Path:
+                    data_parallel_size: int = 1, completions: list[str] | None = None) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
     the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
@@ -278,7 +278,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
         engine = "teacher pass"
     elif engine == "vllm":
         batches = vllm_batches(target_name or target.config.name_or_path, target.dtype, rows, batch_size,
-                               check=check, tensor_parallel_size=tensor_parallel_size, **sampling)
+                               check=check, tensor_parallel_size=tensor_parallel_size,
+                               data_parallel_size=data_parallel_size, **sampling)
     else:
         batches = own_batches(target, rows, batch_size, pad=pad_id(tokenizer), keep_features=keep_features,
                               **sampling)

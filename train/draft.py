@@ -203,7 +203,8 @@ def _generated_corpus(cfg, target, tok, file_prompts):
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
                            keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None,
                            engine=engine, target_name=cfg.target.name, check=check,
-                           tensor_parallel_size=g.get("tensor_parallel_size", 1))
+                           tensor_parallel_size=g.get("tensor_parallel_size", 1),
+                           data_parallel_size=g.get("data_parallel_size", 1))
 
 
 def _callbacks(cfg) -> list:

@@ -133,39 +133,54 @@ def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
 
 def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
                  first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
-                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, timeout_s: float = 1800):
-    """vLLM's offline generation of `rows` in its own venv, one worker for the whole job; each batch comes back
-    as a file in the kept-logits layout. `check(samples)`, when given, judges the worker's plain samples of
-    CHI_PROMPT before any batch is used. Closing the generator (a time box, an error) stops the worker: a batch
-    in flight is lost, no more."""
+                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 timeout_s: float = 1800):
+    """vLLM's offline generation of `rows` in its own venv: `data_parallel_size` workers (each on its own
+    `tensor_parallel_size` GPUs) take the batches in turn, and each batch comes back as a file in the kept-logits
+    layout, yielded in order. `check(samples)`, when given, judges the first worker's plain samples of CHI_PROMPT
+    before any batch is used. Closing the generator (a time box, an error) stops the workers: the batches in flight
+    are lost, no more. A row's seed is its index, so the corpus does not depend on how many workers drew it."""
     python = vllm_python()
     if not python.is_file():
         raise EngineError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
                           f"`{VLLM_INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    request = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "first_row": first_row,
-               "rows": [{"prompt": r, "seed": seed + first_row + i} for i, r in enumerate(rows)],
-               "batch_size": batch_size, "max_new_tokens": max_new_tokens, "temperature": temperature,
-               "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
-               "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
-               "tensor_parallel_size": tensor_parallel_size, "enforce_eager": not torch.cuda.is_available()}
-    if check is not None:
-        request["check"] = check.request
+    starts = list(range(0, len(rows), batch_size))
+    workers = max(1, min(data_parallel_size, len(starts)))
+    gpus = _gpu_groups(workers, tensor_parallel_size)
+    common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "max_new_tokens": max_new_tokens,
+              "temperature": temperature, "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
+              "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
+              "tensor_parallel_size": tensor_parallel_size, "enforce_eager": not torch.cuda.is_available()}
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
-        out = Path(tmp)
-        (out / "request.json").write_text(json.dumps(request))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        env.pop("PYTHONPATH", None)
-        log = (out / "worker.log").open("w")
-        proc = subprocess.Popen([str(python), str(WORKER), str(out / "request.json"), str(out)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        procs, logs, dirs = [], [], []
         try:
-            info = json.loads(_wait(out / "started.json", proc, out, timeout_s).read_text())
-            print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s", file=sys.stderr)
+            for w in range(workers):
+                out = Path(tmp) / str(w)
+                out.mkdir()
+                batches = [{"first_row": first_row + s, "rows": [{"prompt": r, "seed": seed + first_row + s + i}
+                                                                  for i, r in enumerate(rows[s: s + batch_size])]}
+                           for j, s in enumerate(starts) if j % workers == w]
+                request = {**common, "batches": batches, "check": check.request if check and w == 0 else None}
+                (out / "request.json").write_text(json.dumps(request))
+                env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+                env.pop("PYTHONPATH", None)
+                if gpus is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[w])
+                logs.append((out / "worker.log").open("w"))
+                procs.append(subprocess.Popen([str(python), str(WORKER), str(out / "request.json"), str(out)],
+                                              env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+                dirs.append(out)
+            for w in range(workers):
+                info = json.loads(_wait(dirs[w] / "started.json", procs[w], dirs[w], timeout_s).read_text())
+                print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s"
+                      + (f" (worker {w + 1} of {workers})" if workers > 1 else ""), file=sys.stderr)
             if check is not None:
-                check(json.loads(_wait(out / "check.json", proc, out, timeout_s).read_text()), info["version"])
-            for start in range(0, len(rows), batch_size):
-                path = _wait(out / f"{first_row + start:09d}.safetensors", proc, out, timeout_s)
+                check(json.loads(_wait(dirs[0] / "check.json", procs[0], dirs[0], timeout_s).read_text()),
+                      info["version"])
+            for j, start in enumerate(starts):
+                w = j % workers
+                path = _wait(dirs[w] / f"{first_row + start:09d}.safetensors", procs[w], dirs[w], timeout_s)
                 with safe_open(str(path), "pt") as fh:
                     seconds = float(fh.metadata()["seconds"])
                 record = load_file(str(path))
@@ -173,9 +188,23 @@ def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], ba
                 tokens = [t.tolist() for t in record["tokens"].split(record["steps"].tolist())]
                 yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
         finally:
-            proc.kill()
-            proc.wait()
-            log.close()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            for log in logs:
+                log.close()
+
+
+def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:
+    """Each worker's GPUs (CUDA_VISIBLE_DEVICES ids, `tp` each), or None on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if workers * tp > len(ids):
+        raise EngineError(f"data.generated.data_parallel_size={workers} x tensor_parallel_size={tp} needs "
+                          f"{workers * tp} GPUs; {len(ids)} are visible")
+    return [ids[w * tp: (w + 1) * tp] for w in range(workers)]
 
 
 def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:

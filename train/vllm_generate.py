@@ -7,11 +7,12 @@ older transformers). Writes, each atomically (a temporary name, then a rename):
 - `OUT_DIR/started.json` once the engine is up, with its start time and version.
 - `OUT_DIR/check.json` next, when the request has a `check` job: `n` plain samples of 2 tokens of one prompt,
   which the trainer judges against the target's exact probabilities before it keeps any sample;
-- then one `OUT_DIR/{first_row:09d}.safetensors` per batch (its generation's seconds in the metadata), in the
-  layout of the trainer's kept logits: `tokens` (every row's new tokens, EOS included, concatenated), `steps`
-  (tokens per row), `values` / `index` (the top-k log-probabilities of the distribution each token was drawn from
-  and their token ids, row-major). vLLM's `raw_logprobs`: the log-softmax of the model's logits before
-  temperature, top-k and top-p, which is what the trainer's own loop keeps and what the distillation loss reads.
+- then one `OUT_DIR/{first_row:09d}.safetensors` per batch of the request's `batches` (its generation's seconds
+  in the metadata), in the layout of the trainer's kept logits: `tokens` (every row's new tokens, EOS included,
+  concatenated), `steps` (tokens per row), `values` / `index` (the top-k log-probabilities of the distribution each
+  token was drawn from and their token ids, row-major). vLLM's `raw_logprobs`: the log-softmax of the model's
+  logits before temperature, top-k and top-p, which is what the trainer's own loop keeps and the distillation loss
+  reads.
 """
 
 import json
@@ -52,14 +53,14 @@ def main(request_path: str, out_dir: str) -> None:
         _atomic(os.path.join(out_dir, "check.json"),
                 lambda p: open(p, "w").write(json.dumps([list(c.token_ids) for c in out.outputs])))
 
-    rows, size = req["rows"], req["batch_size"]
-    for start in range(0, len(rows), size):
-        batch = rows[start: start + size]
+    for batch in req["batches"]:
+        rows = batch["rows"]
         params = [SamplingParams(temperature=req["temperature"], top_p=req["top_p"], top_k=req.get("top_k") or -1,
                                  max_tokens=req["max_new_tokens"], seed=r["seed"], logprobs=k or None,
-                                 detokenize=False, stop_token_ids=req.get("eos") or None) for r in batch]
+                                 detokenize=False, stop_token_ids=req.get("eos") or None) for r in rows]
         t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in batch], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in rows], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
         tokens, steps, values, index = [], [], [], []
         for o in outs:
             c = o.outputs[0]
@@ -69,12 +70,11 @@ def main(request_path: str, out_dir: str) -> None:
                 top = sorted(lp.items(), key=lambda kv: kv[1].rank)[:k]
                 index.append([t for t, _ in top])
                 values.append([v.logprob for _, v in top])
-        seconds = time.perf_counter() - t
         record = {"tokens": torch.tensor(tokens, dtype=torch.long), "steps": torch.tensor(steps, dtype=torch.long)}
         if k:
             record["values"] = torch.tensor(values, dtype=torch.float32).reshape(-1, k).half()
             record["index"] = torch.tensor(index, dtype=torch.int32).reshape(-1, k)
-        _atomic(os.path.join(out_dir, f"{req['first_row'] + start:09d}.safetensors"),
+        _atomic(os.path.join(out_dir, f"{batch['first_row']:09d}.safetensors"),
                 lambda p: save_file(record, p, metadata={"seconds": str(seconds)}))
 
 
