@@ -146,10 +146,11 @@ def _sample_file(tmp_path, name):
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
 def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target, tmp_path, monkeypatch):
     """data.generated.engine=vllm: its plain sampling passes the chi-square against the target's exact probabilities
-    first; two engines (data parallel) take the batches in turn; their samples land in our store (JSONL rows + kept top-k log-probabilities, read by the trainer's index),
-    and the kept values are the target's raw log-probabilities (vLLM's raw_logprobs): at the ids vLLM kept, our
-    fp32 forward on the same tokens agrees to fp16 rounding. An engine checked against the wrong distribution (a
-    planted mismatch of temperature) is refused before any row is written."""
+    first; two engines (data parallel) take the batches in turn; their samples land in our store (JSONL rows + kept
+    top-k log-probabilities, read by the trainer's index), and the kept values are the target's raw
+    log-probabilities (vLLM's raw_logprobs): at the ids vLLM kept, our fp32 forward on the same tokens agrees to
+    fp16 rounding. An engine checked against the wrong distribution (a planted mismatch of temperature) is refused
+    before any row is written."""
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.sampling.prompts import load_prompts
     from draftsmith.train.corpus import generate_corpus, sampled_logits
