@@ -146,7 +146,8 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
             r["verdict"], r["detail"] = "fail", "the engine drafted no token: speculative decoding never ran"
         r["engine_counts"] = {"drafted": d, "accepted": a, **timed[1].extra}
         results[s.name] = r
-    return {"engine": engine.name, "version": engine.version(), "verdict":
+    return {"engine": engine.name, "version": engine.version(), "precision": getattr(engine, "precision", "fp32"),
+            "verdict":
             "pass" if all(r["verdict"] == "pass" for r in results.values()) else "fail",
             "k": bundle.spec.get("recommended_k"), "draws": draws, "level": level,
             "date": datetime.date.today().isoformat(), "machine": machine(), "settings": results}
@@ -259,10 +260,13 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="long samples per prompt (log-probability test)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--no-write", action="store_true", help="do not record the results in the bundle's card")
+    ap.add_argument("--dtype", choices=["fp32", "bundle"], default="fp32",
+                    help="in-process engines' precision: fp32 (default: in bf16 the target's probabilities move with "
+                         "the shape of the pass, so exactness cannot be judged) or the bundle's own")
     args = ap.parse_args(argv)
     try:
         bundle = open_bundle(args.bundle)
-        engine = open_engine(args.engine, bundle)
+        engine = open_engine(args.engine, bundle, args.dtype)
     except (BundleError, ModelNotFound, EngineMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

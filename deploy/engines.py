@@ -79,9 +79,11 @@ class Engine:
 class _InProcess(Engine):
     pruned_head = True  # a draft trained with a pruned head runs with it; an engine that cannot, runs the full head
 
-    def __init__(self, bundle):
+    def __init__(self, bundle, dtype: str = "fp32"):
+        """dtype: fp32 (the judge's: the target's probabilities do not depend on the pass's shape), or `bundle`
+        (the precisions the bundle was exported in, as its users run it)."""
         self.bundle = bundle
-        dtypes = bundle.spec.get("dtype", {})
+        dtypes = bundle.spec.get("dtype", {}) if dtype == "bundle" else {"target": dtype, "draft": dtype}
         self.precision = dtypes.get("target", "fp32")
         self.target = load_model(str(bundle.target_dir), self.precision)
         self.draft = load_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
@@ -136,11 +138,11 @@ class TransformersEngine(_InProcess):
     name = "transformers"
     pruned_head = False  # its users load the draft with AutoModelForCausalLM: the full head, exact all the same
 
-    def __init__(self, bundle):
+    def __init__(self, bundle, dtype: str = "fp32"):
         if is_feature_dir(bundle.draft_dir):
             raise EngineMissing(f"transformers cannot run {bundle.draft_dir}: it is a feature draft (EAGLE-3), "
                                 "which assisted generation does not support; judge it with --engine vllm or draftsmith")
-        super().__init__(bundle)
+        super().__init__(bundle, dtype)
 
     def version(self) -> str:
         import transformers
@@ -370,7 +372,8 @@ ENGINES = {"draftsmith": DraftsmithEngine, "transformers": TransformersEngine, "
            "llamacpp": LlamaCppEngine}
 
 
-def open_engine(name: str, bundle) -> Engine:
+def open_engine(name: str, bundle, dtype: str = "fp32") -> Engine:
+    """dtype reaches the in-process engines (vLLM and llama.cpp run in fp32 here, as the judge does)."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
-    return ENGINES[name](bundle)
+    return ENGINES[name](bundle, dtype) if issubclass(ENGINES[name], _InProcess) else ENGINES[name](bundle)
