@@ -98,6 +98,7 @@ def test_a_corpus_sampled_elsewhere_gets_the_kept_logits_of_one_teacher_pass(tmp
     assert pair_rows(str(out)) is None  # our own store is read as samples, not as pairs
 
 
+@pytest.mark.slow
 def test_entry_trains_on_pairs_sampled_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
     _pairs_file(tmp_path / "pairs.jsonl")
@@ -120,3 +121,44 @@ def test_the_store_estimate_counts_logits_and_features():
     line = store_estimate(100_000, 256, 128, features=3 * 4096, prompt_tokens=64)
     per = 256 * 128 * 6 + 320 * 3 * 4096 * 2
     assert f"{100_000 * per / 2**30:.3g} GiB" in line and "12288 feature values" in line
+
+
+@pytest.mark.slow
+def test_a_feature_draft_trains_with_features_computed_online(tmp_path, monkeypatch):
+    """data.features=online: nothing is stored (no kept features, no teacher store); the target's pass in each step
+    gives the feature draft what it reads, and the run ends with its report."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    res = run_entry("recipe=smoke", "draft=feature_head", "data=generated", "data.features=online",
+                    "data.generated.n_prompts=24", "data.generated.max_new_tokens=32", f"hydra.run.dir={tmp_path}/run",
+                    "logger=csv")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "training blocks take" not in res.stdout and (tmp_path / "run" / "report.json").is_file()
+    metrics = (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    assert "train/loss" in metrics and "train/teacher_cache_hit_rate" not in metrics  # no store was read
+    logits = next((tmp_path / "home" / "generated").glob("*.jsonl.logits"))
+    assert not any("features" in f.name for f in logits.iterdir())
+
+
+def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(tmp_path, monkeypatch):
+    """EngineCheck (what judges vLLM before its samples are kept) on our own loop's plain samples: they pass; the
+    same loop with the temperature applied twice (a planted bug of the kind an engine could have) is refused."""
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.train.generation import EngineCheck
+
+    monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "checks.json"))
+    target, tok = load_model("tiny-random", "fp32"), load_tokenizer("tiny-random")
+    check = EngineCheck("draftsmith", target, tok, SamplingConfig(0.8, 0, 0.95), "tiny-random", draws=2000)
+
+    def samples(temperature):
+        ids = torch.tensor([check.prompt] * check.draws)
+        gen = autoregressive_generate(target, ids, max_new_tokens=2, temperature=temperature, top_p=0.95,
+                                      eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(0))
+        return [t.tolist() for t in gen.tokens]
+
+    assert check(samples(0.8), "ours") >= 1e-3
+    with pytest.raises(EngineError, match=r"engine=draftsmith \(planted\) samples the wrong distribution"):
+        check(samples(0.8 * 0.8), "planted")
+    verdicts = json.loads((tmp_path / "checks.json").read_text())
+    assert [v["pass"] for v in verdicts.values()] == [True, False]

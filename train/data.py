@@ -178,6 +178,9 @@ def check_data(cfg, tokenizer) -> None:
     if topk and not cfg.loss.get("distill", True):
         raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
                          "it to 0")
+    if d.get("features", "stored") not in ("stored", "online"):
+        raise SetupError(f"data.features must be stored (kept in the store) or online (the target computes them in "
+                         f"each step), got {d.features}")
     g = d.generated
     if g.enabled:
         if g.max_minutes is not None and not g.max_minutes > 0:

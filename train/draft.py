@@ -113,10 +113,11 @@ def train(cfg: DictConfig) -> dict:
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     topk = cfg.loss.get("teacher_topk", 0)
     feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
+    online = feature and cfg.data.get("features", "stored") == "online"  # the target's pass in every step instead
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
                                  features=3 * target.config.hidden_size if feature else 0,
-                                 directory=out_dir) if topk else None
+                                 directory=out_dir) if topk and not online else None
     if teacher_cache is not None and "train_src" in blocks:
         filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source),
                                  draft.feature_layers if feature else None)
@@ -272,8 +273,9 @@ def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
 
 
 def _feature_layers(cfg, target) -> list[int] | None:
-    """A feature draft's target layers (what its corpus keeps besides the logits); None for an independent draft."""
-    if cfg.draft.get("kind") != "feature_head":
+    """A feature draft's target layers (what its corpus keeps besides the logits); None for an independent draft and
+    for features computed online."""
+    if cfg.draft.get("kind") != "feature_head" or cfg.data.get("features", "stored") == "online":
         return None
     return FeatureConfig.for_target(target.config, cfg.draft.get("feature_layers")).feature_layers
 
