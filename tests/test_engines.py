@@ -185,6 +185,15 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     print(f"kept log-probabilities vs our forward: max |diff| {worst:.4f}")
     assert worst < 2e-2  # fp16 storage of values down to ~-20, fp32 on both sides
 
+    # killed after its first batch (a torn row after it, the second batch's logits lost): the resume, with one
+    # engine now, draws the same rows again, byte for byte: a row's seed is its index
+    lines = (tmp_path / "c.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "c.jsonl").write_text("".join(lines[:4]) + lines[4][:10])
+    sorted((tmp_path / "c.jsonl.logits").glob("*.safetensors"))[1].unlink()
+    generate_corpus(target, tok, prompts, tmp_path / "c.jsonl", max_new_tokens=24, temperature=0.8, top_p=0.95,
+                    batch_size=4, keep_logits=k, engine="vllm", target_name="smollm2-135m", progress=False)
+    assert (tmp_path / "c.jsonl").read_text().splitlines(keepends=True) == lines
+
     wrong = EngineCheck("vllm", target, tok, SamplingConfig(1.6, 0, 0.95), "smollm2-135m", draws=1000)
     with pytest.raises(EngineError, match=r"engine=vllm .* samples the wrong distribution: chi-square p"):
         generate_corpus(target, tok, prompts, tmp_path / "w.jsonl", max_new_tokens=8, temperature=0.8, top_p=0.95,
