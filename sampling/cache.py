@@ -1,9 +1,10 @@
 """A KV cache written in place into buffers sized once per generation.
 
-transformers' DynamicCache appends with `torch.cat`: every decoding step copies each layer's whole cache, so a
-token costs O(length) in copies, and the allocator, handed a slightly larger block per layer per step, keeps RSS
-growing past the cache itself (docs/results.md, Memory). Here each layer's keys and values live in one buffer of the generation's final length, written in
-place; the model sees views of the filled part. Rollback (`crop`) only moves the fill mark.
+transformers' DynamicCache appends with `torch.cat`: every decoding step copies each layer's whole cache, so a token
+costs O(length) in copies, and the allocator, handed a slightly larger block per layer per step, keeps RSS growing
+past the cache itself (docs/results.md, Memory). Here each layer's keys and values live in one buffer of the
+generation's final length, written in place; the model sees views of the filled part. Rollback (`crop`) only moves
+the fill mark.
 
 Speculative decoding at batch > 1 leaves masked holes (rejected slots of rows that accepted less than others):
 `compact_cache` moves each row's valid slots to the front, so the cache stays within the generation's length

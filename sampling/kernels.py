@@ -1,10 +1,11 @@
 """Linear layers at decoding's few rows, computed the way this CPU does it fastest, chosen by timing at load.
 
 Why: on a CPU, decoding one token or verifying K+1 is a product of a few rows with every weight matrix, read cold
-from memory. The default `F.linear` (x @ W.T through MKL) is far from the best kernel there: on an AVX2 CPU in
-fp32 the demo target's matrix products made scoring 2 tokens cost nearly twice scoring one (v(1),
-docs/design.md; figures in docs/results.md), which caps every draft's speed-up. The same products as W @ x.T (MKL's plain layout, no repacking of the weight)
-cost about half at 2 to 4 rows; at 3 rows padding to 4 pays; at 1 row oneDNN sometimes wins.
+from memory. The default `F.linear` (x @ W.T through MKL) is far from the best kernel there: on an AVX2 CPU in fp32
+the demo target's matrix products made scoring 2 tokens cost nearly twice scoring one (v(1), docs/design.md; figures
+in docs/results.md), which caps every draft's speed-up. The same products as W @ x.T (MKL's plain layout, no
+repacking of the weight) cost about half at 2 to 4 rows; at 3 rows padding to 4 pays; at 1 row oneDNN sometimes
+wins.
 
 Other CPUs and MKL builds rank these differently, and products timed alone rank differently from the same products
 in a forward pass, so nothing is assumed: `install` times whole forward passes of the model at each row count under

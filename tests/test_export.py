@@ -116,6 +116,7 @@ def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle
     assert "Traceback" not in "\n".join(err)
 
 
+@pytest.mark.slow
 def test_export_logs_the_bundle_to_the_runs_wandb_run(smoke_run, tmp_path):
     """`export RUN` resumes the W&B run that trained the draft (its id in OUT_DIR/wandb_id) and adds the bundle as a
     `bundle` artifact beside the `model` one: read from the offline run files, what `wandb sync` uploads."""

@@ -57,7 +57,7 @@ def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, fi
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk])
         # cpu: one seed stream for any device (probs.uniform moves each draw to the target's device), so a
         # corpus cached on one machine is the corpus another would sample
-        g = torch.Generator().manual_seed(seed + first_row + start)
+        g = torch.Generator(device="cpu").manual_seed(seed + first_row + start)
         kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
 
         def keep(step_rows, logits):

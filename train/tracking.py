@@ -23,10 +23,11 @@ def _wandb_mode(mode: str) -> str:
 
 
 def loggers(cfg, out_dir: Path | None = None) -> list:
-    """The `logger` group's entries, each built by its `_target_` (an entry set to null is off)."""
+    """The `logger` group's entries, each built by its `_target_` (an entry set to null, or left without a `_target_`
+    by a recipe's settings for a logger the chosen group does not have, is off)."""
     from hydra.utils import instantiate
 
-    built = [instantiate(spec) for spec in (cfg.get("logger") or {}).values() if spec]
+    built = [instantiate(spec) for spec in (cfg.get("logger") or {}).values() if spec and "_target_" in spec]
     return [lg for lg in built if lg is not None]
 
 
