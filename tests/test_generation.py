@@ -129,7 +129,7 @@ def test_a_feature_draft_trains_with_features_computed_online(tmp_path, monkeypa
     gives the feature draft what it reads, and the run ends with its report."""
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
     res = run_entry("recipe=smoke", "draft=feature_head", "data=generated", "data.features=online",
-                    "data.generated.n_prompts=24", "data.generated.max_new_tokens=32", f"hydra.run.dir={tmp_path}/run",
+                    "data.generated.n_prompts=60", "data.generated.max_new_tokens=48", f"hydra.run.dir={tmp_path}/run",
                     "logger=csv")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "training blocks take" not in res.stdout and (tmp_path / "run" / "report.json").is_file()
