@@ -125,8 +125,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
         if s.temperature == 0:
             noise = 0.0
             if getattr(engine, "precision", "fp32") != "fp32":  # ties at the precision the engine computed in
-                noise = shape_noise(load_model(str(bundle.target_dir), engine.precision), prompts,
-                                    [c for (c,) in plain[j].tokens])
+                noise = shape_noise(engine.target, prompts, [c for (c,) in plain[j].tokens])
             r = _judge_greedy(reference, prompts, plain[j].tokens, spec[j].tokens, tie_tol, noise)
             r["shape_noise"] = noise
             timed = (plain[j], spec[j])

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling.load import stdlib_sources
-from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.machine import atomic_path, cache_home
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -337,11 +337,8 @@ def _write_logits(path: Path, first_row: int, record: dict) -> None:
     """A batch's kept logits (train/generation.py: `values`, `index` row-major, `steps` per row, `tokens`, so a reader
     can check that a file of logits belongs to the rows the JSONL holds now; with features also `features`,
     `positions`, `layers`) as one file beside the sample file, written atomically."""
-    dest = logits_dir(path) / f"{first_row:09d}.safetensors"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(f".tmp{os.getpid()}")
-    save_file(record, tmp)
-    os.replace(tmp, dest)
+    with atomic_path(logits_dir(path) / f"{first_row:09d}.safetensors") as tmp:
+        save_file(record, tmp)
 
 
 @dataclass

@@ -189,15 +189,14 @@ def _generated_corpus(cfg, target, tok, file_prompts):
     name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
             f"-{origin.hexdigest()[:8]}")
     engine = choose_engine(g.get("engine", "draftsmith"), target, cfg.target.name, lambda: measure_engines(
-        target, cfg.target.name, prompt_rows(tok, prompts), g.batch_size, temperature=s.temperature, top_p=s.top_p,
-        eos=tok.eos_token_id, pad=pad_id(tok)))
-    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours
-        name += "-vllm"
-    path = cache_home() / "generated" / f"{name}.jsonl"
+        target, cfg.target.name, prompt_rows(tok, prompts[: g.batch_size]), g.batch_size, temperature=s.temperature,
+        top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok)))
     check = None
-    if engine == "vllm":
+    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours; judged before they are kept
+        name += "-vllm"
         check = EngineCheck("vllm", load_model(cfg.target.name, "fp32"), tok,
                             SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, seed=cfg.seed)
+    path = cache_home() / "generated" / f"{name}.jsonl"
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
@@ -260,12 +259,14 @@ def _plan(cfg) -> dict:
 def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
     """What this run trains on: the corpus source and how many of its documents (a sampled corpus: the rows the
     target had written when its time box ended, with their digest, so a file grown later changes nothing)."""
-    pairs = None if cfg.data.generated.enabled else pair_rows(cfg.data.source, cfg.data.get("prompt_field", "prompt"),
-                                                                cfg.data.get("completion_field", "completion"))
-    if not cfg.data.generated.enabled and pairs is None:
-        return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
-    path = _generated_corpus(cfg, target, tok, file_prompts) if pairs is None else _imported_corpus(cfg, target, tok,
-                                                                                                    pairs)
+    if cfg.data.generated.enabled:
+        path = _generated_corpus(cfg, target, tok, file_prompts)
+    else:
+        pairs = pair_rows(cfg.data.source, cfg.data.get("prompt_field", "prompt"),
+                          cfg.data.get("completion_field", "completion"))
+        if pairs is None:  # text: tokenized as it is, no store
+            return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
+        path = _imported_corpus(cfg, target, tok, pairs)
     rows = line_count(path)
     if cfg.data.max_documents:
         rows = min(rows, cfg.data.max_documents)

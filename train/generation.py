@@ -6,7 +6,7 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
   draft's features (the hidden states it reads), which no serving engine hands out.
 - `vllm`: offline `LLM.generate` in vLLM's own venv (`train/vllm_generate.py`), batched, with the recipe's
   temperature and top-p, its raw top-k log-probabilities kept. Before any sample is kept, its plain sampling is
-  judged against the target's exact probabilities (`check_engine`): an engine that samples the wrong
+  judged against the target's exact probabilities (`EngineCheck`): an engine that samples the wrong
   distribution would teach the draft the wrong target.
 - `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
 A corpus sampled elsewhere (`data.source=` prompt + completion pairs) comes in through `teacher_batches`: one
