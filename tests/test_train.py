@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -98,6 +99,20 @@ def test_draft_is_shallow_and_wide_from_the_targets_config():
         draft_config_for(smol, DraftConfig(hidden=500))
     with pytest.raises(ValueError, match="width"):
         draft_config_for(smol, DraftConfig(init="target"))
+
+
+def test_a_draft_built_from_the_targets_files_equals_one_built_from_the_loaded_target():
+    """A rank that holds no target builds its draft from the target's safetensors, read by name (tied head
+    included); every rank starts from the same weights as the one that loaded the model."""
+    from draftsmith.sampling.load import load_model
+    from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
+
+    cfg = DraftConfig(layers=2, width_ratio=1.0, init="target", init_layers=[0, 2])
+    loaded = build_draft(load_model("tiny-random", "fp32"), cfg).state_dict()
+    weights = TargetWeights.of("tiny-random")
+    assert weights.config.tie_word_embeddings and "lm_head.weight" in weights
+    read = build_draft(weights, cfg).state_dict()
+    assert list(read) == list(loaded) and all(torch.equal(read[k], loaded[k]) for k in loaded)
 
 
 def test_training_changes_the_draft_and_never_the_target(tmp_path):
@@ -324,6 +339,8 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     (["recipe=smoke", "+draft.unknown=1"], "unknown draft setting(s) draft.unknown: draft.* takes depth_ratio"),
     (["recipe=smoke", "+optim.lrr=1"], "unknown setting optim.lrr: optim takes lr, betas"),  # the schema
     (["recipe=smoke", "optim.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
+    (["recipe=smoke", "target.ranks=some"], "target.ranks must be all (a replica on every rank), first"),
+    (["recipe=smoke", "target.ranks=first"], "target.ranks=first, but training calls the target (the corpus kept no"),
 ])
 def test_bad_input_fails_with_one_clear_line_and_no_output(tmp_path, overrides, msg):
     out = tmp_path / "run"
@@ -375,6 +392,10 @@ def test_generated_corpus_is_resumable(tmp_path):
                     progress=False)
     lines = path.read_text().splitlines()
     assert lines[:2] == first and len(lines) == 3 and json.loads(lines[2])["text"].startswith("class B:")
+    # a complete cached corpus: a new run reads it as it is (it crashed closing an empty batch iterator)
+    assert generate_corpus(target, tok, ["def a():", "import os", "class B:"], path, max_new_tokens=8,
+                           batch_size=1, progress=False) == path
+    assert path.read_text().splitlines() == lines
 
 
 def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_same_file(tmp_path):
@@ -392,6 +413,13 @@ def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_s
     generate_corpus(target, tok, prompts, capped, **kw)
     generate_corpus(target, tok, prompts, whole, **kw)
     assert capped.read_text() == whole.read_text() and len(whole.read_text().splitlines()) == 6
+
+
+def validations(run) -> list[int]:
+    """Steps at which a run's CSV log holds a whole validation: the sampler's, on-target and held-out figures."""
+    rows = [r for f in sorted((run / "csv").rglob("metrics.csv")) for r in csv.DictReader(f.open())]
+    need = ("val/alpha", "val/alpha_on_target", "val/alpha_analytic", "val/loss")
+    return sorted({int(r["step"]) for r in rows if all(r.get(k) for k in need)})
 
 
 @pytest.mark.slow
@@ -417,13 +445,71 @@ def test_ddp_two_processes_sample_once_and_train_on_identical_blocks_across_a_re
     sampled = len(next((tmp_path / "home" / "generated").glob("*.jsonl")).read_text().splitlines())
     record = json.loads((run / "data.json").read_text())
     assert record["rows"] == sampled < 800 and record["source"] == ranks["0"][1]  # cut by the time box
+    # every block has the target's kept logits: rank 1 trains without the target, rank 0 validates for both
+    assert "rank 1 holds no target" in first.stdout
+    assert validations(run) == [2, 5]  # each with the held-out figures rank 1 could not measure
 
-    again = run_entry(*args, "ckpt_path=last", "trainer.max_steps=9")
+    again = run_entry(*args, "ckpt_path=last", "trainer.max_steps=9", "target.ranks=all")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "rank 1 holds a replica of the target: target.ranks=all" in again.stdout
     resumed = {r: (n, src, h) for r, n, src, h in digests.findall(again.stdout)}
     assert resumed == ranks, (resumed, ranks)  # the same blocks on both ranks as before the resume
     assert "target-generated corpus" not in again.stderr  # no progress bar: nothing sampled
     assert len(next((tmp_path / "home" / "generated").glob("*.jsonl")).read_text().splitlines()) == sampled
+
+
+@pytest.mark.slow
+def test_ddp_run_with_one_rank_killed_resumes_from_last_on_the_same_blocks(tmp_path):
+    """SIGKILL rank 1 of a 2-process DDP run after its first checkpoint: rank 0 stops with an error within seconds
+    (its next collective finds the peer gone) instead of hanging, and `ckpt_path=last` trains both ranks on to
+    max_steps from the killed run's step, on the blocks the killed run trained on."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    args = ("recipe=smoke", "trainer=ddp", "trainer.max_steps=12", "trainer.val_check_interval=4",
+            f"hydra.run.dir={run}", "logger=csv")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    log = tmp_path / "first.log"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train" / "draft.py"), *args], cwd=ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    last = run / "checkpoints" / "last.ckpt"
+    while not last.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before a rank could be killed"
+    rank1 = [k for k in _children(proc.pid) if b"LOCAL_RANK=1" in (Path("/proc") / str(k) / "environ").read_bytes()]
+    assert len(rank1) == 1, rank1
+    os.kill(rank1[0], signal.SIGKILL)
+    try:
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    killed_at = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < killed_at < 12
+    digests = re.compile(r"rank (\d+) trains on (\d+) blocks of (\S+), sha256 (\w+)")
+    before = dict((r, h) for r, _, _, h in digests.findall(log.read_text()))
+
+    again = run_entry(*args, "ckpt_path=last")
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = dict((r, h) for r, _, _, h in digests.findall(again.stdout))
+    assert set(after) == {"0", "1"} and after == before, (before, after)
+    assert torch.load(last, weights_only=True)["global_step"] == 12
+    steps = sorted({int(r["step"]) for f in (run / "csv").rglob("metrics.csv") for r in csv.DictReader(f.open())
+                    if r.get("train/loss")})
+    assert steps[-1] == 11 and set(range(killed_at, 12)) <= set(steps)  # CSV steps are 0-based
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids whose parent is `pid` (Lightning's launcher starts rank 1 as a child of rank 0)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d.name))
+            except (OSError, ValueError):
+                pass
+    return kids
 
 
 def test_smoke_run_on_a_target_generated_corpus(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ the target's tokenizer and vocabulary, so any engine that loads the target's fam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -86,11 +87,60 @@ def draft_config_for(target_config, cfg: DraftConfig):
     return type(tc)(**d)
 
 
+class TargetWeights:
+    """The target's tensors by name, read one at a time from its safetensors files, without loading the target: a
+    rank that holds no target builds its draft from them, and a 70B target's state in fp32 would be 280 GB of host
+    memory where the draft takes a tenth of its layers. Every rank reads the same bytes, so every rank starts from
+    the same draft (FSDP does not broadcast rank 0's weights)."""
+
+    def __init__(self, path, config):
+        from safetensors import safe_open
+
+        self.path, self.config = Path(path), config
+        self._where = {}  # name -> (file, the name it is stored under)
+        for f in sorted(self.path.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                self._where.update({k: (f, k) for k in h.keys()})
+        tied = getattr(config, "tie_word_embeddings", False)
+        if tied and "lm_head.weight" not in self._where and "model.embed_tokens.weight" in self._where:
+            self._where["lm_head.weight"] = self._where["model.embed_tokens.weight"]  # tied: saved once
+
+    @classmethod
+    def of(cls, name: str, trust_remote_code: bool = False) -> TargetWeights | None:
+        """The target `name`'s weights, or None where they are not in safetensors files."""
+        from transformers import AutoConfig
+
+        from draftsmith.sampling.load import resolve
+
+        path = resolve(name)
+        if not any(path.glob("*.safetensors")):
+            return None
+        return cls(path, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+    def new_model(self, config):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config)
+
+    def state_dict(self) -> TargetWeights:
+        return self
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f, key = self._where[name]
+        with safe_open(f, "pt") as h:
+            return h.get_tensor(key)
+
+
 def build_draft(target, cfg: DraftConfig):
-    """A draft model for `target` (a loaded HF causal LM), initialised per `cfg.init`."""
+    """A draft model for `target` (a loaded HF causal LM, or its `TargetWeights`), initialised per `cfg.init`."""
     config = draft_config_for(target.config, cfg)
     torch.manual_seed(0)
-    draft = type(target)(config).float()
+    draft = (target.new_model(config) if isinstance(target, TargetWeights) else type(target)(config)).float()
     if cfg.init == "target":
         n_t, n_d = target.config.num_hidden_layers, config.num_hidden_layers
         # Default: the first layers and the last one; the last target layer produces the residual the (shared)

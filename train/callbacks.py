@@ -66,7 +66,7 @@ class AcceptanceCallback(L.Callback):
             return Batch(t["ids"], t["mask"], t["loss_mask"].bool())
         t0 = time.perf_counter()
         ids, mask = (t.to(module.device) for t in self.on_target_prompts)
-        b = target_samples(module.target.to(module.device), ids, mask, max_new_tokens=self.on_target_tokens,
+        b = target_samples(module.place_target(), ids, mask, max_new_tokens=self.on_target_tokens,
                            eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.eos_token_id or 0,
                            seed=self.seed + 1, **self.sampling)
         print(f"draftsmith: val/alpha_on_target set: {len(ids)} prompts x {self.on_target_tokens} tokens "
@@ -78,22 +78,52 @@ class AcceptanceCallback(L.Callback):
         return b
 
     def on_fit_start(self, trainer, module):
-        if self.on_target_prompts is not None and self.on_target is None:
+        here = self._measures(trainer, module)
+        if here:
+            module.place_target()
+        if here and self.on_target_prompts is not None and self.on_target is None:
             self.on_target = self._target_samples(module)
         if self.measure_cost and self.cost is None:
             # c depends on the draft's shape, not its weights: measure once, in the target's dtype.
-            with whole(module):
-                draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval()
-            self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7, compile=self.compile)
+            with whole(module):  # collective: every rank enters, the ranks that measure copy
+                draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval() if here else None
+            if here:
+                self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7, compile=self.compile)
             del draft
+
+    @staticmethod
+    def _measures(trainer, module) -> bool:
+        """Every rank measures its share, except where only rank 0 holds the target (`module.first_only`)."""
+        return not module.first_only or trainer.is_global_zero
 
     def on_validation_epoch_end(self, trainer, module):
         if trainer.sanity_checking:
             return
+        here, first_only = self._measures(trainer, module), module.first_only
         with whole(module):
-            self._validate(trainer, module)
+            gen, metrics = self._measure(trainer, module) if here else (None, None)
+            if trainer.is_global_zero:
+                self._log_curves(trainer, module, gen, metrics)
+        if first_only:  # rank 0's figures on every rank: each logs them, and checkpoints by the same score
+            metrics = trainer.strategy.broadcast(metrics, src=0)
+        for name, value in metrics.items():
+            module.log(name, value, sync_dist=not first_only, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
+        self.history.append({"step": trainer.global_step, **metrics})
 
-    def _validate(self, trainer, module):
+    def _log_curves(self, trainer, module, gen, metrics):
+        """The paper's Figure 1 per validation: acceptance by draft position, and tokens per call by K (measured at
+        the sampler's K, expected from alpha at the others); and sample texts."""
+        step, alpha = trainer.global_step, metrics["val/alpha"]
+        by_k = [[step, k, expected_tokens_per_call(alpha, k), k == self.k] for k in range(1, 9)]
+        log_tables(trainer.loggers, step, {
+            "val/acceptance_by_position": (["step", "position", "acceptance"],
+                                           [[step, i + 1, a] for i, a in enumerate(gen.stats.acceptance_by_position)]),
+            "val/tokens_per_call_by_k": (["step", "K", "tokens_per_call", "measured_k"], by_k)})
+        if self.log_samples:
+            self._log_samples(trainer, module, module.sampling_draft(), gen)
+
+    def _measure(self, trainer, module):
+        """(the sampler's Generation, this validation's figures) with the current draft."""
         dev = module.device
         ids, mask = self.prompts.to(dev), self.mask.to(dev)
         draft = module.sampling_draft()
@@ -112,20 +142,10 @@ class AcceptanceCallback(L.Callback):
             metrics["val/c"] = self.cost["c"]
             metrics["val/predicted_speedup"] = predicted_speedup(s.alpha or 0.0, self.k, self.cost["c"],
                                                                  self.cost["v"][self.k])
-        for name, value in metrics.items():
-            module.log(name, float(value), sync_dist=True, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
-        self.history.append({"step": trainer.global_step, **{k: float(v) for k, v in metrics.items()}})
-        if trainer.is_global_zero:
-            step, alpha = trainer.global_step, s.alpha or 0.0
-            # the paper's Figure 1 per validation: acceptance by draft position, and tokens per call by K (measured
-            # at the sampler's K, expected from alpha at the others)
-            by_k = [[step, k, expected_tokens_per_call(alpha, k), k == self.k] for k in range(1, 9)]
-            log_tables(trainer.loggers, step, {
-                "val/acceptance_by_position": (["step", "position", "acceptance"],
-                                               [[step, i + 1, a] for i, a in enumerate(s.acceptance_by_position)]),
-                "val/tokens_per_call_by_k": (["step", "K", "tokens_per_call", "measured_k"], by_k)})
-        if self.log_samples and trainer.is_global_zero:
-            self._log_samples(trainer, module, draft, gen)
+        if module.first_only:  # the held-out blocks no other rank can measure
+            dl = trainer.val_dataloaders
+            metrics.update(module.held_out(dl.dataset, dl.batch_size))
+        return gen, {k: float(v) for k, v in metrics.items()}
 
     def _log_samples(self, trainer, module, draft, gen):
         n = min(self.log_samples, len(self.prompts))

@@ -269,8 +269,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     rows = prompt_rows(tokenizer, [p for _, p in todo]) if todo else []
     sampling = dict(seed=seed, first_row=done, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     eos=tokenizer.eos_token_id, keep_logits=keep_logits)
-    if not rows:
-        batches = iter(())
+    if not rows:  # a generator: `closing` needs its close()
+        batches = (b for b in ())
     elif completions is not None:
         done_c = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions[done:]]
         batches = teacher_batches(target, rows, done_c, batch_size, pad=pad_id(tokenizer), keep_features=keep_features,
@@ -415,11 +415,13 @@ def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None
 
 
 def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None,
-                    chunk_bytes: int = 256 << 20) -> int:
+                    chunk_bytes: int = 256 << 20, min_known: float = 0.5) -> int:
     """Fill `cache` (train/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
     `src` points at (`load_blocks`' train_src): its logits where it sampled a token, and with `layers` its features
     wherever it ran. Blocks go through in chunks of about `chunk_bytes` of the cache's records, each reading only
-    the entries it points at, so memory stays flat however large the corpus. Returns the number of blocks filled."""
+    the entries it points at, so memory stays flat however large the corpus. A block with fewer than `min_known` of
+    its positions kept is left to the teacher pass (0: every block trains on what was kept, as a rank that holds no
+    target must). Returns the number of blocks filled."""
     kept = sampled_logits(path, rows, layers)
     if kept is None or (layers is not None and kept.feature_start is None):
         return 0
@@ -440,7 +442,7 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
         blocks = torch.arange(lo, min(lo + per, len(src)))
         a = at[blocks, : cache.positions]
         have = a >= 0
-        if not have.any():
+        if not have.any() and min_known > 0:
             continue
         values, index = kept.take(a[have], ("values", "index"))
         local = torch.full_like(a, -1)
@@ -454,5 +456,5 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
             feats = (kept.take(fa[fhave], ("features",), features=True)[0] if fhave.any()
                      else torch.zeros(0, cache.n_features, dtype=torch.float16))
             extra = {"feature_at": flocal, "features": feats}
-        filled += cache.prefill(local, values, index, rows=blocks, **extra)
+        filled += cache.prefill(local, values, index, rows=blocks, min_known=min_known, **extra)
     return filled

@@ -30,7 +30,7 @@ from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train import schema
-from draftsmith.train.build import DraftConfig, build_draft
+from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.corpus import (
     CorpusError,
@@ -44,6 +44,7 @@ from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
     check_data,
+    first_rank,
     line_count,
     loaders,
     prepared_once,
@@ -73,13 +74,17 @@ def train(cfg: DictConfig) -> dict:
     claim_run_dir(out_dir)  # a second run in the same directory is refused, not interleaved
 
     # 1. The frozen target and its tokenizer, in the precision its teacher passes run fastest in on this machine.
+    # Rank 0 holds it (it prepares the corpus, validates and reports); another rank loads it in step 4 only where
+    # training calls it. The draft is built from the target's weights read by name, on every rank alike.
     resume = resume_checkpoint(out_dir, cfg.ckpt_path)  # a damaged checkpoint fails here, before any work
     tok = load_tokenizer(cfg.target.name)
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
-    target = load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
-                        trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
+    placement = _target_ranks_setting(cfg)
+    weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
+    target = _load_target(cfg) if first_rank() or weights is None else None
+    target_config = (weights or target).config
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
     data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, target, tok, file_prompts))
@@ -92,43 +97,58 @@ def train(cfg: DictConfig) -> dict:
     on_policy = _on_policy(cfg, tok, blocks, file_prompts)
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
-    token_counts = torch.bincount(blocks["train"].flatten(), minlength=target.config.vocab_size)
-    if draft_cfg.kind == "feature_head":
+    token_counts = torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size)
+    if draft_cfg.kind == "feature_head":  # built from a pass of the target: every rank holds it
+        target = target or _load_target(cfg)
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
                                     _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head,
                                     probe=blocks["train"][:4])
     else:
-        draft = build_draft(target, draft_cfg)
+        draft = build_draft(weights or target, draft_cfg)
     head_tokens = None
     if draft_cfg.draft_vocab and draft_cfg.kind != "feature_head":  # the sampler's choice of rows (+ EOS)
-        if draft_cfg.draft_vocab >= target.config.vocab_size:
+        if draft_cfg.draft_vocab >= target_config.vocab_size:
             raise SetupError(f"draft.draft_vocab={draft_cfg.draft_vocab} prunes nothing: the target has "
-                             f"{target.config.vocab_size} tokens; set it lower or to null (the full head)")
+                             f"{target_config.vocab_size} tokens; set it lower or to null (the full head)")
         head_tokens = top_tokens(_head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.draft_vocab,
                                  [tok.eos_token_id])
-    if draft.config.vocab_size != target.config.vocab_size:
+    if draft.config.vocab_size != target_config.vocab_size:
         raise SetupError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target.config.vocab_size}); drafts must share the target's tokenizer")
+                         f"({target_config.vocab_size}); drafts must share the target's tokenizer")
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     topk = cfg.loss.get("teacher_topk", 0)
     feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
     online = feature and cfg.data.get("features", "stored") == "online"  # the target's pass in every step instead
-    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target.config.vocab_size,
+    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target_config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
-                                 features=3 * target.config.hidden_size if feature else 0,
+                                 features=3 * target_config.hidden_size if feature else 0,
                                  directory=out_dir) if topk and not online else None
+    # where the target is held: with several ranks, on rank 0 alone when training never calls it (target.ranks)
+    why = _training_calls_target(cfg, feature, online, teacher_cache, "train_src" in blocks)
+    first_only = _target_ranks(placement, why) and _world_size(cfg) > 1
     if teacher_cache is not None and "train_src" in blocks:
+        # a rank without the target cannot fill a block's gaps: each block trains on the positions its corpus kept
         filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source),
-                                 draft.feature_layers if feature else None)
+                                 draft.feature_layers if feature else None, min_known=0.0 if first_only else 0.5)
         what = "logits and features" if feature else "logits"
         print(f"draftsmith: {filled} of {len(blocks['train'])} training blocks take the target's {what} kept as it "
               "sampled them: no teacher pass over those", flush=True)
+        if first_only and filled < len(blocks["train"]):  # the corpus kept fewer than loss.teacher_topk per token
+            why = (f"{len(blocks['train']) - filled} of {len(blocks['train'])} training blocks lack kept logits "
+                   f"(loss.teacher_topk={topk} needs as many kept per token)")
+            first_only = _target_ranks(placement, why)
+    if target is None and not first_only:
+        target = _load_target(cfg)
+    if not first_rank():
+        print(f"draftsmith: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK'))} "
+              + ("holds no target: it trains on the target's kept logits, rank 0 validates" if target is None
+                 else f"holds a replica of the target: {why or 'target.ranks=all'}"), flush=True)
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
                          sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                          on_policy=on_policy, unroll=draft_cfg.unroll, step_decay=draft_cfg.step_decay,
                          feature_noise=draft_cfg.feature_noise,
-                         teacher_cache=teacher_cache, head_tokens=head_tokens)
+                         teacher_cache=teacher_cache, head_tokens=head_tokens, validate_on_first=first_only)
     s = cfg.sampler
     ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
     on_target = on_target_prompts(cfg, tok, blocks, val_prompts)
@@ -139,8 +159,12 @@ def train(cfg: DictConfig) -> dict:
                                        samples_path=out_dir / "val_target_samples.safetensors")
     metric = cfg.checkpoint.monitor
     checkpoint_cb = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor=metric, mode=cfg.checkpoint.mode,
-                                    save_last=True, save_top_k=1, auto_insert_metric_name=False,
+                                    save_top_k=1, auto_insert_metric_name=False,
                                     filename=f"step{{step}}-{metric.split('/')[-1]}{{{metric}:.4f}}")
+    # last.ckpt at every validation, for resume: Lightning 2.6's save_last writes it only at a step that also saved
+    # a best checkpoint, so a run whose score stopped improving would resume from its best step, not its last
+    last_cb = ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="last", monitor=None, save_top_k=1,
+                              enable_version_counter=False)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer)
     trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
     if isinstance(trainer_kwargs.get("strategy"), dict):
@@ -148,7 +172,7 @@ def train(cfg: DictConfig) -> dict:
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
-                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, *_callbacks(cfg)],
+                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, last_cb, *_callbacks(cfg)],
                         logger=loggers(cfg))
     if trainer.is_global_zero:
         log_config(trainer.loggers, cfg, run=run_info(target=target), training_precision=str(trainer.precision),
@@ -162,7 +186,8 @@ def train(cfg: DictConfig) -> dict:
         return {}
     tps = trainer.callback_metrics.get("train/tokens_per_s")
     report = final_report(target=target, module=module, tokenizer=tok, cfg=cfg, out_dir=out_dir,
-                          checkpoint_cb=checkpoint_cb, acceptance_cb=acceptance_cb, wall_s=time.time() - t0,
+                          checkpoint_cb=checkpoint_cb, last_path=last_cb.best_model_path, acceptance_cb=acceptance_cb,
+                          wall_s=time.time() - t0,
                           tokens_per_s=float(tps) if tps is not None else None, precision=trainer.precision,
                           token_counts=token_counts)
     log_draft(trainer.loggers, Path(report["best_draft"]),
@@ -319,6 +344,57 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # an absolute path: `recipes/` sits beside this package in the checkout and in the installed wheel alike, and the
 # path works for `python train/draft.py`, `python -m draftsmith.train.draft` and `draftsmith-train`
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
+
+
+def _load_target(cfg):
+    return load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
+                      trust_remote_code=bool(cfg.target.trust_remote_code))
+
+
+def _target_ranks_setting(cfg) -> str:
+    placement = str(cfg.target.get("ranks", "auto"))
+    if placement not in ("auto", "all", "first"):
+        raise SetupError(f"target.ranks must be all (a replica on every rank), first (rank 0 alone; the others train "
+                         f"on kept logits) or auto (first where training never calls the target), got {placement!r}")
+    return placement
+
+
+def _training_calls_target(cfg, feature: bool, online: bool, teacher_cache, kept: bool) -> str | None:
+    """Why a training step would run the target (so every rank must hold it), or None: it reads kept logits only
+    (`kept`: the corpus holds the target's logits, as it sampled them)."""
+    if feature:
+        return "a feature draft is built from the target's pass"
+    if online:
+        return "data.features=online runs the target in every step"
+    if cfg.data.on_policy_fraction > 0:
+        return "data.on_policy_fraction > 0: the target scores the draft's own samples"
+    if not cfg.loss.get("distill", True):
+        return None
+    if teacher_cache is None:
+        return "loss.teacher_topk=0: the target's whole logits in every step"
+    if not kept:
+        return "the corpus kept no logits of the target (sample it with data=generated, or bring prompt + completion)"
+    return None
+
+
+def _world_size(cfg) -> int:
+    """Ranks of the run, before Lightning has set up any: the launcher's (torchrun, SLURM, Lightning's own children
+    set WORLD_SIZE), else devices x nodes of a multi-device trainer."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    t = cfg.trainer
+    devices = t.get("devices", 1)
+    if str(devices) in ("auto", "-1"):
+        devices = torch.cuda.device_count() if str(t.get("accelerator")) in ("gpu", "cuda", "auto") else 1
+    n = len(devices) if not isinstance(devices, (int, str)) else int(devices)
+    return max(1, n) * int(t.get("num_nodes", 1) or 1)
+
+
+def _target_ranks(placement: str, why: str | None) -> bool:
+    """True: the target on rank 0 alone (it validates and reports); False: a replica on every rank."""
+    if placement == "first" and why:
+        raise SetupError(f"target.ranks=first, but training calls the target ({why}): use target.ranks=all")
+    return placement == "first" or (placement == "auto" and why is None)
 
 
 def _target_device(cfg) -> str:

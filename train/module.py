@@ -22,12 +22,15 @@ class DraftModule(L.LightningModule):
 
     The target is kept out of `nn.Module` registration on purpose: it never enters `state_dict`, so it is never
     saved in a draft checkpoint, never wrapped or partitioned by DDP/DeepSpeed, and never touched by the optimiser.
+    `validate_on_first`: only rank 0 holds the target (the others train on its kept logits and hold None), so with
+    several ranks the held-out figures are measured there, by the acceptance callback, and sent to every rank.
     """
 
     def __init__(self, draft, target, *, loss: dict, optim: dict, sampler: dict, max_steps: int,
                  on_policy: OnPolicy | None = None, unroll: int = 4, step_decay: float = 1.0,
                  feature_noise: float = 0.0,
-                 teacher_cache: TeacherCache | None = None, head_tokens: torch.Tensor | None = None):
+                 teacher_cache: TeacherCache | None = None, head_tokens: torch.Tensor | None = None,
+                 validate_on_first: bool = False):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -40,6 +43,7 @@ class DraftModule(L.LightningModule):
         self.nonfinite_steps, self._nonfinite_run, self.max_nonfinite = 0, 0, 5
         self.teacher_cache = teacher_cache  # the target's top-k logits per block, kept after its first visit
         self.distill = loss.get("distill", True)
+        self.validate_on_first = validate_on_first
         # the kind of draft in one object: what a batch trains it on and what validation measures
         self.objective = (FeatureObjective(unroll, step_decay, feature_noise) if is_feature_draft(draft)
                           else IndependentObjective(draft, head_tokens))
@@ -53,8 +57,20 @@ class DraftModule(L.LightningModule):
         """An independent draft's pruned head's tokens (None: a full head, or a feature draft)."""
         return self.objective.head_tokens
 
+    @property
+    def first_only(self) -> bool:
+        """The target is on rank 0 alone, and there are other ranks: validation is rank 0's (train/callbacks.py)."""
+        return self.validate_on_first and self.trainer.world_size > 1
+
+    def place_target(self):
+        """The target on the draft's device (Lightning moves the module, not what it hides), and returned. A target
+        sharded over devices (`device_map`) stays where it was put; a rank that trains only holds none."""
+        if self.target is not None and not getattr(self.target, "hf_device_map", None):
+            self._target[0] = self.target.to(self.device)
+        return self.target
+
     def on_fit_start(self):
-        self._target[0] = self.target.to(self.device)
+        self.place_target()
         self.objective.to(self.device)
 
     def sampling_draft(self):
@@ -124,9 +140,23 @@ class DraftModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """Teacher-forced alpha_analytic on held-out blocks (train/objective.py, per kind of draft)."""
+        if self.first_only:  # `held_out` on rank 0, over all of them
+            return
         ids = batch[0] if isinstance(batch, (list, tuple)) else batch
         for name, value in self.objective.validate(self, ids).items():
             self.log(name, value, sync_dist=True, prog_bar=name == "val/alpha_analytic")
+
+    @torch.no_grad()
+    def held_out(self, dataset, batch_size: int) -> dict[str, float]:
+        """`validation_step`'s figures over a whole held-out dataset in one process, weighted by batch size as
+        Lightning averages them."""
+        sums, n = {}, 0
+        for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+            ids = (batch[0] if isinstance(batch, (list, tuple)) else batch).to(self.device)
+            for name, value in self.objective.validate(self, ids).items():
+                sums[name] = sums.get(name, 0.0) + float(value) * len(ids)
+            n += len(ids)
+        return {name: total / max(1, n) for name, total in sums.items()}
 
     def configure_optimizers(self):
         o = self.optim_cfg

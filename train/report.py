@@ -56,12 +56,13 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     return out
 
 
-def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, acceptance_cb, wall_s: float,
-                 tokens_per_s: float | None, precision: str, token_counts: torch.Tensor | None = None) -> dict:
+def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, last_path: str, acceptance_cb,
+                 wall_s: float, tokens_per_s: float | None, precision: str,
+                 token_counts: torch.Tensor | None = None) -> dict:
     t0 = time.time()
     last = module.draft.eval()
     if partitioned(last):  # ZeRO-3: this rank holds a shard; the last checkpoint holds it whole
-        last = draft_from_checkpoint(last, checkpoint_cb.last_model_path)
+        last = draft_from_checkpoint(last, last_path)
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
     head = module.head_tokens

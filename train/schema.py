@@ -50,6 +50,14 @@ class Sampler:
 
 
 @dataclass
+class Target:
+    name: str = MISSING
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    ranks: str = "auto"  # all | first | auto (train/draft.py `_target_ranks`)
+
+
+@dataclass
 class Draftsmith:
     seed: int = 0
     out_dir: str = MISSING
@@ -59,7 +67,7 @@ class Draftsmith:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
     sampler: Sampler = field(default_factory=Sampler)
-    target: Any = MISSING
+    target: Target = field(default_factory=Target)
     draft: Any = MISSING
     data: Any = MISSING
     loss: Any = MISSING
