@@ -212,10 +212,12 @@ def _convert_gguf(folder: Path, filename: str, out: Path) -> Path:
 
 
 def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role: str = "decode",
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, device_map: str | None = None):
     """A frozen causal LM in eval mode. dtype `auto` picks the faster precision for `role` on this machine:
     `decode` (batch-1 sampling: the model itself is timed once) or `teacher` (passes over many tokens).
-    A checkpoint whose config asks to run its own code (`auto_map`) is refused unless trust_remote_code."""
+    `device_map` (e.g. "auto"): its layers spread over the visible GPUs, for a model no one device holds; its
+    outputs come back on its inputs' device. A checkpoint whose config asks to run its own code (`auto_map`) is
+    refused unless trust_remote_code."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPE_CHOICES:
@@ -228,7 +230,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ModelNotFound(f"{path} holds a config but no weights: a shape to plan for (plan=true), not a model "
                             "to load; point target.name at a checkpoint with its weights")
-    cuda = str(device).startswith("cuda")
+    cuda = str(device).startswith("cuda") or (device_map is not None and torch.cuda.is_available())
     explicit = dtype != "auto"
     if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)
         chosen = DTYPES[dtype] if explicit else (DTYPES[precision.cuda_dtype()] if cuda else torch.float32)
@@ -249,8 +251,9 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
         # loaded again, not cast: `.to(bf16)` would also cast buffers (RoPE's inv_freq) that from_pretrained keeps
         # in fp32, and the model would differ from the one a user loads with dtype=bf16
         del model
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    model = model.to(device).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                                 **({"device_map": device_map} if device_map else {}))
+    model = (model if device_map else model.to(device)).eval().requires_grad_(False)
     if explicit and not cuda:
         precision.check_choice(dtype, role, model)
     check_finite(model, path)

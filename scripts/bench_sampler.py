@@ -19,7 +19,6 @@ import copy
 import json
 import random
 import statistics
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.machine import now
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.stats import summary
 from draftsmith.train.build import truncated_target
@@ -59,15 +59,16 @@ def main():
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--compile", action="store_true",
                     help="also run our loops with compiled static-shape steps, and measure c and v(K) both ways")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU node (timings synchronise the device)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
 
     tok = load_tokenizer(args.target)
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, args.dtype, device=args.device)
     # default: the target's first N layers + final norm + head, the naive draft peers use (alpha ~0.05)
-    first = (load_model(args.draft, args.dtype) if args.draft
+    first = (load_model(args.draft, args.dtype, device=args.device) if args.draft
              else truncated_target(target, args.cut_layers).to(target.dtype).eval().requires_grad_(False))
     drafts = {"draft" if args.draft else "cut": first}
     if args.self_draft:
@@ -101,23 +102,23 @@ def main():
     extra = {c: [] for c in configs}
     costs = {}
     with torch.inference_mode():
-        warm = tok(prompts[0], return_tensors="pt").input_ids
+        warm = tok(prompts[0], return_tensors="pt").input_ids.to(args.device)
         target(warm)  # warm-up
         for c in configs:  # compiled configs compile every shape they meet here, outside the timing
             if c.endswith("_compiled"):
-                configs[c](warm, torch.Generator().manual_seed(0))
+                configs[c](warm, torch.Generator(device=warm.device).manual_seed(0))
         if args.compile:
             for suffix, comp in modes.items():
                 costs[f"{next(iter(drafts))}{suffix}"] = measure_costs(target, first, ks=range(1, args.k + 1),
                                                                        compile=comp)
         for i, prompt in enumerate(prompts):
-            ids = tok(prompt, return_tensors="pt").input_ids
+            ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
             order = list(configs)
             rng.shuffle(order)
             for c in order:
-                t = time.perf_counter()
-                out = configs[c](ids, torch.Generator().manual_seed(i))
-                times[c].append(time.perf_counter() - t)
+                t = now(ids.device)
+                out = configs[c](ids, torch.Generator(device=ids.device).manual_seed(i))
+                times[c].append(now(ids.device) - t)
                 if hasattr(out, "stats"):
                     extra[c].append(out.stats.to_dict())
             print(f"prompt {i + 1}/{len(prompts)} done", flush=True)

@@ -347,8 +347,11 @@ RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 
 def _load_target(cfg):
+    """Rank 0's target may be spread over the node's GPUs (target.device_map=auto: a target no one GPU holds, there
+    once for validation and the report); a replica on another rank sits on that rank's own device."""
     return load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
-                      trust_remote_code=bool(cfg.target.trust_remote_code))
+                      trust_remote_code=bool(cfg.target.trust_remote_code),
+                      device_map=cfg.target.device_map if first_rank() else None)
 
 
 def _target_ranks_setting(cfg) -> str:

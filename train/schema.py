@@ -55,6 +55,7 @@ class Target:
     dtype: str = "auto"
     trust_remote_code: bool = False
     ranks: str = "auto"  # all | first | auto (train/draft.py `_target_ranks`)
+    device_map: Optional[str] = None  # "auto": rank 0's target spread over the node's GPUs
 
 
 @dataclass
