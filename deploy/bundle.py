@@ -11,9 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.deploy.plots import DEPLOYMENT_PLOT, deployment_plot
 from draftsmith.sampling.machine import write_text
 
-UNCHECKED = ("speculative.json", "README.md")  # the card: deploy_check itself adds its results there
+# the card: deploy_check itself adds its results there
+UNCHECKED = ("speculative.json", "README.md", "acceptance.png", "deployment.png")
 
 
 class BundleError(ValueError):
@@ -98,6 +100,7 @@ def write_card(bundle: Bundle, report: dict) -> None:
     marker = "\n## Deployment checks\n"
     text = text.split(marker)[0].rstrip("\n") + "\n" + marker + deployment_table(spec["deployment"])
     write_text(readme, text)
+    deployment_plot(spec["deployment"], bundle.path / DEPLOYMENT_PLOT)
 
 
 def deployment_table(deployment: dict) -> str:
@@ -109,5 +112,10 @@ def deployment_table(deployment: dict) -> str:
             acc = "" if r.get("engine_acceptance") is None else f"{r['engine_acceptance']:.3f}"
             lines.append(f"| {name} | {rep['version']} | {setting} | {r['verdict']} | {r['tok_s_plain']:.1f} | "
                          f"{r['tok_s_speculative']:.1f} | {r['speedup']:.2f}x | {acc} |")
+            for label, v in r.get("variants", {}).items():  # timed beside, not judged
+                acc = "" if v.get("engine_acceptance") is None else f"{v['engine_acceptance']:.3f}"
+                lines.append(f"| {name}, {label} | {rep['version']} | {setting} | (speed only) | "
+                             f"{r['tok_s_plain']:.1f} | {v['tok_s_speculative']:.1f} | {v['speedup']:.2f}x | {acc} |")
     cpu = next(iter(deployment.values()))["machine"].get("cpu", "")
-    return "\n".join(lines) + f"\n\nMeasured on: {cpu}; details in speculative.json, `deployment`.\n"
+    return ("\n".join(lines) + f"\n\n![speed-up and verdict per engine]({DEPLOYMENT_PLOT})\n\n"
+            f"Measured on: {cpu}; details in speculative.json, `deployment`.\n")

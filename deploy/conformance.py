@@ -120,8 +120,17 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     print(f"{engine.name}: speculative decoding ({len(jobs)} jobs)...", file=sys.stderr)
     spec = engine.run(jobs, speculative=True)[1:]
 
-    results, j, draft = {}, 0, None
+    timed_at, j = [], 1  # the job each setting's tokens/s is read from (after the warm-up job)
     for s in settings:
+        j += 1 if s.temperature == 0 else 2
+        timed_at.append(j - 1)
+    variants = {}
+    for label, other in engine.variants().items():  # the timed jobs again, speculative, for their speed alone
+        print(f"{engine.name}: speculative decoding, {label} ({len(timed_at)} jobs)...", file=sys.stderr)
+        variants[label] = other.run([jobs[0]] + [jobs[i] for i in timed_at], speculative=True)[1:]
+
+    results, j, draft = {}, 0, None
+    for n, s in enumerate(settings):
         if s.temperature == 0:
             noise = 0.0
             if getattr(engine, "precision", "fp32") != "fp32":  # ties at the precision the engine computed in
@@ -144,6 +153,13 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
         if d == 0:  # it reports its drafts and made none: speculative decoding never ran, nothing was judged
             r["verdict"], r["detail"] = "fail", "the engine drafted no token: speculative decoding never ran"
         r["engine_counts"] = {"drafted": d, "accepted": a, **timed[1].extra}
+        r["variants"] = {}
+        for label, outs in variants.items():
+            o = outs[n]
+            r["variants"][label] = {"tok_s_speculative": _tok_s(o), "speedup": _tok_s(o) / r["tok_s_plain"],
+                                    "engine_acceptance": o.accepted / o.drafted if o.drafted else None,
+                                    # greedy: the same tokens as plain decoding, as the judged run had to
+                                    "identical": o.tokens == plain[j - 1].tokens if s.temperature == 0 else None}
         results[s.name] = r
     return {"engine": engine.name, "version": engine.version(), "precision": getattr(engine, "precision", "fp32"),
             "verdict":
@@ -289,6 +305,11 @@ def main(argv=None) -> int:
         print(f"  {name:<18} {r['verdict'].upper():<4}  {r['detail']}")
         print(f"  {'':<18}       tokens/s {r['tok_s_plain']:.1f} plain, {r['tok_s_speculative']:.1f} speculative "
               f"({r['speedup']:.2f}x){acc}")
+        for label, v in r.get("variants", {}).items():
+            same = {True: ", identical to plain", False: ", DIFFERS from plain", None: ""}[v["identical"]]
+            acc = "" if v["engine_acceptance"] is None else f", engine acceptance {v['engine_acceptance']:.3f}"
+            print(f"  {'':<18}       with the {label}: {v['tok_s_speculative']:.1f} speculative "
+                  f"({v['speedup']:.2f}x){acc}{same}")
     if not args.no_write:
         write_card(bundle, report)
         print(f"recorded in {bundle.path / 'speculative.json'} (deployment.{report['engine']}) and README.md")

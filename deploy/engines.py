@@ -75,6 +75,10 @@ class Engine:
     def run(self, jobs: list[Job], speculative: bool) -> list[Output]:
         raise NotImplementedError
 
+    def variants(self) -> dict[str, Engine]:
+        """Other ways to run the same pair whose speed is worth reporting beside this one's (a quantized draft)."""
+        return {}
+
 
 class _InProcess(Engine):
     pruned_head = True  # a draft trained with a pruned head runs with it; an engine that cannot, runs the full head
@@ -267,8 +271,8 @@ class LlamaCppEngine(Engine):
 
     name = "llamacpp"
 
-    def __init__(self, bundle, timeout_s: int = 1800):
-        self.bundle, self.timeout_s = bundle, timeout_s
+    def __init__(self, bundle, timeout_s: int = 1800, draft_type: str = "f32"):
+        self.bundle, self.timeout_s, self.draft_type = bundle, timeout_s, draft_type
         missing = llamacpp_missing()
         if missing:
             raise EngineMissing(missing)
@@ -279,15 +283,21 @@ class LlamaCppEngine(Engine):
     def version(self) -> str:
         return (llamacpp_home() / "VERSION").read_text().strip() if (llamacpp_home() / "VERSION").is_file() else "?"
 
-    def gguf(self, model_dir: Path) -> Path:
-        """The model converted to GGUF (f32) once, cached by the hash of its weights."""
+    def variants(self) -> dict[str, Engine]:
+        # exactness does not depend on the draft, so the draft may be quantized while the target keeps f32: a
+        # cheaper draft step (c) is the whole of what Q8_0 changes
+        return {} if self.draft_type != "f32" else {"Q8_0 draft": LlamaCppEngine(self.bundle, self.timeout_s, "q8_0")}
+
+    def gguf(self, model_dir: Path, outtype: str = "f32") -> Path:
+        """The model converted to GGUF (`outtype`: f32, or q8_0 for a draft) once, cached by its weights' hash."""
         names = [f.name for f in sorted(model_dir.glob("*.safetensors"))] + ["config.json"]
-        out = llamacpp_home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}.gguf"
+        suffix = "" if outtype == "f32" else f"-{outtype}"
+        out = llamacpp_home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}{suffix}.gguf"
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".partial")
             env = {**os.environ, "PYTHONPATH": str(self.converter.parent / "gguf-py")}  # the converter's own gguf
-            res = subprocess.run([sys.executable, str(self.converter), str(model_dir), "--outtype", "f32",
+            res = subprocess.run([sys.executable, str(self.converter), str(model_dir), "--outtype", outtype,
                                   "--outfile", str(tmp)], capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 tail = "\n".join(res.stderr.strip().splitlines()[-8:])
@@ -304,7 +314,7 @@ class LlamaCppEngine(Engine):
                "--host", "127.0.0.1"]
         if speculative:
             # without --spec-type the server loads the draft and never drafts (llama.cpp of llama-cpp-python 0.3.36)
-            cmd += ["-md", str(self.gguf(self.bundle.draft_dir)), "--spec-type", "draft-simple",
+            cmd += ["-md", str(self.gguf(self.bundle.draft_dir, self.draft_type)), "--spec-type", "draft-simple",
                     "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", "0"]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -337,12 +347,17 @@ class LlamaCppEngine(Engine):
                 if time.time() > deadline:
                     raise EngineFailed(f"llama-server ({mode}) did not become ready within 300 s")
                 time.sleep(0.5)
+            from tqdm import tqdm
+
             outs = []
+            bar = tqdm(total=sum(len(j.prompts) * j.n for j in jobs), desc=f"llama.cpp {mode}", unit="request",
+                       file=sys.stderr, leave=False)  # one request per sample: thousands for the chi-square
             for job in jobs:
                 tokens, seconds, drafted, accepted, i = [], 0.0, 0, 0, 0
                 for prompt in job.prompts:
                     rows = []
                     for _ in range(job.n):
+                        bar.update()
                         body = {"prompt": prompt, "n_predict": job.max_new_tokens, "temperature": job.temperature,
                                 "top_p": job.top_p, "top_k": 0, "min_p": 0.0, "seed": job.seed + i,
                                 "samplers": ["temperature", "top_p"], "return_tokens": True,
@@ -358,6 +373,7 @@ class LlamaCppEngine(Engine):
                     tokens.append(rows)
                 outs.append(Output(tokens, seconds, drafted if speculative else None,
                                    accepted if speculative else None))
+            bar.close()
             return outs
         finally:
             proc.terminate()

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
+from draftsmith.deploy.plots import CARD_PLOT, card_plot
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import (
@@ -118,6 +119,8 @@ Draft cost c = {spec['c']:.3f} of a target step, measured on the exporting machi
 recommended K = {k}
 (predicted speed-up {spec['predicted_speedup'][str(k)]:.2f}x there). Acceptance holds only at the sampling
 settings above: other temperatures give other rates.
+
+![acceptance by draft position, and the predicted speed-up by K]({CARD_PLOT})
 
 ## Use
 transformers (assisted generation; `draft/generation_config.json` fixes K={k}, constant):
@@ -244,6 +247,7 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
             card = feature_card if feature else model_card
             (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
+            card_plot(spec, tmp / CARD_PLOT)
             reload_check(tmp, target, target_tok, spec, sampler)
             # two renames: at every moment the destination holds the previous bundle whole or the new one whole
             if out.exists():

@@ -86,9 +86,12 @@ def test_llamacpp_is_judged(demo_bundle):
     bundle = open_bundle(demo_bundle)
     report = check(bundle, LlamaCppEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=500, n_prompts=2,
                    samples=2, max_new_tokens=16)
-    print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
+    print(report["version"], {k: (r["verdict"], r["detail"], r["variants"]) for k, r in report["settings"].items()})
     assert report["settings"]["greedy"]["engine_counts"]["drafted"] > 0
     assert report["verdict"] == "pass", report["settings"]
+    # the draft quantized to Q8_0, the target kept f32: timed beside, and greedy still equal to plain decoding
+    q8 = report["settings"]["greedy"]["variants"]["Q8_0 draft"]
+    assert q8["identical"] and q8["tok_s_speculative"] > 0 and q8["engine_acceptance"] is not None
 
 
 @pytest.fixture(scope="module")

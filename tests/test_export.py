@@ -45,6 +45,8 @@ def test_bundle_layout_and_acceptance_card(bundle):
     # what the speed figures ran on: the card and the spec name the CPU and each model's precision
     assert set(spec["dtype"]) == {"target", "draft"} and spec["machine"]["threads"] >= 1
     assert spec["machine"]["cpu_capability"] in card and f"target {spec['dtype']['target']}" in card
+    # the card's picture: acceptance by position and the predicted speed-up by K, embedded
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](acceptance.png)" in card
 
 
 def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bundle):
@@ -98,6 +100,10 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
     assert rc == 0, printed.err[-2000:]
     assert "greedy" in printed.out and "PASS" in printed.out
     assert json.loads((b / "speculative.json").read_text())["deployment"]["transformers"]["verdict"] == "pass"
+    # the one-page summary: the verdict table and its picture in the card
+    card = (b / "README.md").read_text()
+    assert "| transformers |" in card and "](deployment.png)" in card
+    assert (b / "deployment.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle, tmp_path, monkeypatch, capsys):

@@ -18,21 +18,28 @@ from draftsmith.sampling.machine import atomic_path
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.evaluate import alpha_on_samples, target_samples
 from draftsmith.train.onpolicy import Batch
-from draftsmith.train.rundir import partitioned
+from draftsmith.train.rundir import sharded
 from draftsmith.train.tracking import log_tables
 
 
 @contextlib.contextmanager
 def whole(module):
-    """The draft's parameters whole on every rank inside the block: ZeRO-3 shards them, and the sampler needs them
-    all. Collective (every rank enters it, as Lightning runs these hooks on every rank)."""
-    if not partitioned(module.draft):
+    """The draft's parameters whole on every rank inside the block: ZeRO-3 and FSDP shard them, and the sampler
+    runs the draft outside the training forward, so it needs them all. Collective (every rank enters it, as
+    Lightning runs these hooks on every rank)."""
+    kind = sharded(module)
+    if kind is None:
         yield
-        return
-    import deepspeed
+    elif kind == "zero3":
+        import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(module.draft.parameters()), modifier_rank=None):
-        yield
+        with deepspeed.zero.GatheredParameters(list(module.draft.parameters()), modifier_rank=None):
+            yield
+    else:  # FSDP wraps the whole LightningModule: its root unit gathers every shard
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(module.trainer.strategy.model, writeback=False):
+            yield
 
 
 class AcceptanceCallback(L.Callback):
@@ -106,8 +113,8 @@ class AcceptanceCallback(L.Callback):
                 self._log_curves(trainer, module, gen, metrics)
         if first_only:  # rank 0's figures on every rank: each logs them, and checkpoints by the same score
             metrics = trainer.strategy.broadcast(metrics, src=0)
-        for name, value in metrics.items():
-            module.log(name, value, sync_dist=not first_only, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
+        for name, value in metrics.items():  # (after a broadcast every rank's value is rank 0's: the mean is too)
+            module.log(name, value, sync_dist=True, prog_bar=name in ("val/alpha", "val/alpha_on_target"))
         self.history.append({"step": trainer.global_step, **metrics})
 
     def _log_curves(self, trainer, module, gen, metrics):

@@ -276,7 +276,7 @@ def _plan(cfg) -> dict:
     devices = cfg.trainer.get("devices", 1)
     ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)
     p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
-             cfg.data.block_size)
+             cfg.data.block_size, devices if isinstance(devices, int) else 1)
     print_plan(p, cfg.target.name, target_config)
     return {"plan": {s: p.per_rank(s) for s in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")}}
 

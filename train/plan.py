@@ -7,7 +7,8 @@ config alone (no weights are read, nothing is allocated: the models are built on
 Bytes per trained parameter follow mixed-precision AdamW (Lightning's `bf16-mixed`, DeepSpeed and FSDP alike):
 fp32 weights 4, fp32 gradients 4, two fp32 moments 8. DDP replicates all 16 on each rank; ZeRO-2 shards the
 gradients and moments over the ranks; ZeRO-3 and FSDP shard all of it. The frozen target is bf16 (2 bytes a
-parameter) on every rank that holds it. Activations of one micro-batch: s*b*h*(34 + 5*a*s/h) bytes a layer
+parameter) on every rank that holds it, or once, spread over a node's GPUs, where no rank needs it to train
+(`target.ranks=first`). Activations of one micro-batch: s*b*h*(34 + 5*a*s/h) bytes a layer
 (Korthikanti et al. 2022, no recomputation), an upper bound that counts every intermediate.
 """
 
@@ -40,6 +41,7 @@ class Plan:
     batch: int
     block: int
     activations: int  # bytes of one micro-batch's activations, the draft's layers
+    devices_per_node: int = 1
 
     def per_rank(self, strategy: str) -> dict[str, float]:
         """Bytes one rank holds for the draft's training state, by part."""
@@ -55,12 +57,12 @@ class Plan:
                 "target (bf16 replica)": 2 * self.target_params}
 
 
-def plan(target_config, draft_config, ranks: int, batch: int, block: int) -> Plan:
+def plan(target_config, draft_config, ranks: int, batch: int, block: int, devices_per_node: int | None = None) -> Plan:
     d = draft_config
     s, h, a = block, d.hidden_size, d.num_attention_heads
     activations = int(d.num_hidden_layers * s * batch * h * (34 + 5 * a * s / h))
     return Plan(d.num_hidden_layers, h, meta_params(d), meta_params(target_config), ranks, batch, block,
-                activations)
+                activations, devices_per_node or ranks)
 
 
 def print_plan(p: Plan, target_name: str, target_config) -> None:
@@ -77,3 +79,12 @@ def print_plan(p: Plan, target_name: str, target_config) -> None:
         row = p.per_rank(s)
         print(f"  {s:<18}" + "".join(f"{v / GB:>22.2f}" for v in row.values())
               + f"{sum(row.values()) / GB:>10.2f}")
+    if p.ranks > 1:
+        share = 2 * p.target_params / p.devices_per_node
+        print(f"with target.ranks=first (every training block has the target's kept logits), no rank holds a replica:"
+              f"\n  rank 0 holds the target once, spread over the node's {p.devices_per_node} GPU(s) by "
+              f"target.device_map=auto ({share / GB:.2f} GB on each), the other ranks none:")
+        for s in STRATEGIES:
+            row = p.per_rank(s)
+            train = sum(row.values()) - row["target (bf16 replica)"]
+            print(f"  {s:<18} {train / GB:>8.2f} GB per rank, {(train + share) / GB:.2f} on a GPU holding a share")

@@ -14,14 +14,14 @@ from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
 from draftsmith.train.build import truncated_target
 from draftsmith.train.evaluate import acceptance_by_set
-from draftsmith.train.rundir import checkpoint_state, partitioned
+from draftsmith.train.rundir import checkpoint_state, partitioned, sharded
 
 
-def draft_from_checkpoint(draft, ckpt_path: str):
+def draft_from_checkpoint(draft, ckpt_path: str, rebuild: bool = False):
     """A copy of `draft` with the weights of a training checkpoint (`checkpoint_state`: a Lightning file or a
-    DeepSpeed directory); a draft whose parameters ZeRO-3 partitioned is rebuilt from its config instead."""
+    DeepSpeed directory); a draft whose parameters ZeRO-3 or FSDP split (`rebuild`) is rebuilt from its config."""
     state = checkpoint_state(ckpt_path)
-    out = type(draft)(draft.config) if partitioned(draft) else copy.deepcopy(draft)
+    out = type(draft)(draft.config) if rebuild or partitioned(draft) else copy.deepcopy(draft)
     out.load_state_dict({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")})
     return out.eval()
 
@@ -61,8 +61,8 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
                  token_counts: torch.Tensor | None = None) -> dict:
     t0 = time.time()
     last = module.draft.eval()
-    if partitioned(last):  # ZeRO-3: this rank holds a shard; the last checkpoint holds it whole
-        last = draft_from_checkpoint(last, last_path)
+    if sharded(module):  # ZeRO-3 or FSDP: this rank holds a shard; the last checkpoint holds it whole
+        last = draft_from_checkpoint(last, last_path, rebuild=True)
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
     head = module.head_tokens

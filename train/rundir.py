@@ -105,6 +105,16 @@ def partitioned(model) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def sharded(module) -> str | None:
+    """"zero3" or "fsdp" where the module's draft is split over the ranks (no rank can run it alone), else None."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if partitioned(module.draft):
+        return "zero3"
+    trainer = module._trainer
+    return "fsdp" if trainer is not None and isinstance(trainer.strategy, FSDPStrategy) else None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's torch checkpoint IO, written to a temporary name and renamed: a process killed mid-write leaves
     the previous checkpoint in place, never a truncated one under the real name."""
