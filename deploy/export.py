@@ -5,8 +5,8 @@ The command is `scripts/export.py` (this module's `main`):
     python scripts/export.py outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
 
 Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md};
-speculative.json records every other file's sha256. No `speculators_config` block: the speculators format
-(PyPI `speculators` 0.9) has no algorithm for an independent draft, only feature heads (eagle3, ...).
+speculative.json records every other file's sha256. A feature draft's config is also in the speculators format
+(PyPI `speculators` 0.9, eagle3); an independent draft's is not: that format has no algorithm for it.
 The recommended K maximises the predicted speed-up from the measured alpha and the c and v(K) measured on this
 machine. Atomic: the bundle is assembled in a temporary directory, loaded back and checked (our sampler's alpha
 with the same seed must equal the recorded one), and only then renamed into place.
@@ -225,6 +225,11 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                                                assistant_confidence_threshold=0.0)
             model, head = split_head(draft)  # trained with a pruned head: its tokens ride along
             save_draft(model, draft_tok, ddir, head_tokens=head)
+            if feature:  # one config.json that vLLM, SGLang and the speculators format all read
+                cfg = json.loads((ddir / "config.json").read_text())
+                verifier = str(out / "target") if copy_target else str(target_dir)
+                cfg.update(speculators_fields(cfg, verifier, target.config.architectures, k_rec))
+                (ddir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
             counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
             if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
                 (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
@@ -258,6 +263,27 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+def speculators_fields(cfg: dict, verifier: str, verifier_architectures: list[str], k: int) -> dict:
+    """A feature draft's config in the speculators format (PyPI `speculators`, `Eagle3SpeculatorConfig`) beside
+    vLLM's own keys: `vllm serve DRAFT_DIR` then finds its verifier and K in it. `model_type` stays "llama", so
+    vLLM loads the draft itself as it did. The independent draft has no speculators algorithm."""
+    from importlib.metadata import version
+
+    layer = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                                  "hidden_act")}
+    layer.update(model_type="llama", num_hidden_layers=1, rope_parameters=cfg["rope_parameters"])
+    return {"speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+            "draftsmith_version": version("draftsmith"), "transformer_layer_config": layer,
+            "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
+            "norm_before_residual": False,  # vLLM's speculators reader defaults to True; ours is False
+            "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])}}}
 
 
 @contextlib.contextmanager

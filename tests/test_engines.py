@@ -142,6 +142,50 @@ def test_vllm_serves_a_feature_bundle_on_its_own_layers(feature_bundle):
     assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1
 
 
+SPECULATORS_CHECK = """
+import json, sys
+from speculators import SpeculatorModelConfig
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+path = sys.argv[1]
+c = SpeculatorModelConfig.from_pretrained(path)
+d = json.load(open(path + "/config.json"))
+print(json.dumps({"class": type(c).__name__, "layers": c.eagle_aux_hidden_state_layer_ids,
+                  "draft_vocab": c.draft_vocab_size, "target_hidden": c.target_hidden_size,
+                  "verifier": c.speculators_config.verifier.name_or_path,
+                  "k": c.speculators_config.proposal_methods[0].speculative_tokens,
+                  "vllm": SpeculatorsConfig.extract_vllm_speculative_config(d)}))
+"""
+
+
+@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classes(feature_bundle, tmp_path):
+    """The feature draft's config.json is also a speculators eagle3 config: speculators' own config class reads it
+    (layer ids, head, verifier, K) and vLLM's speculators reader turns it into its eagle3 settings. Both live in
+    vLLM's venv (they pin transformers <= 5.19). A config without its verifier is refused by the same class."""
+    import shutil
+    import subprocess
+
+    import draftsmith.sampling.load as load
+
+    bundle = open_bundle(feature_bundle)
+    run = [str(vllm_python()), "-c", SPECULATORS_CHECK]
+    res = subprocess.run([*run, str(bundle.draft_dir)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["class"] == "Eagle3SpeculatorConfig" and got["layers"] == [1, 14, 26]
+    assert got["draft_vocab"] == 8192 and got["target_hidden"] == 576
+    assert got["verifier"] == str(load.resolve("smollm2-135m")) and got["k"] == bundle.spec["recommended_k"]
+    assert got["vllm"] == {"method": "eagle3", "num_speculative_tokens": bundle.spec["recommended_k"]}
+
+    broken = tmp_path / "draft"
+    shutil.copytree(bundle.draft_dir, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    del cfg["speculators_config"]["verifier"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    res = subprocess.run([*run, str(broken)], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "verifier" in res.stderr, res.stderr[-2000:]
+
+
 def _sample_file(tmp_path, name):
     return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
 
