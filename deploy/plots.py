@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith.train.report import acceptance_by_position
+
 CARD_PLOT = "acceptance.png"
 DEPLOYMENT_PLOT = "deployment.png"
 
@@ -24,18 +26,7 @@ def card_plot(spec: dict, path: Path) -> None:
     predicted from alpha, c and v(K) for each K measured, the recommended K marked."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name, r in spec["acceptance"].items():
-        pts = [(i + 1, a) for i, a in enumerate(r.get("acceptance_by_position") or []) if a is not None]
-        if pts:
-            line, = left.plot(*zip(*pts), "o-", label=f"{name} (alpha {r['alpha']:.3f})")
-            left.axhline(r["alpha"], ls=":", color=line.get_color())
-    left.xaxis.get_major_locator().set_params(integer=True)
-    left.set_xlabel("draft position i")
-    left.set_ylabel("P(token i accepted | reached)")
-    left.set_title("acceptance by position (dotted: alpha)")
-    left.set_ylim(0, 1)
-    if left.lines:
-        left.legend()
+    acceptance_by_position(left, spec["acceptance"])
     ks = sorted(int(k) for k in spec["predicted_speedup"])
     right.plot(ks, [spec["predicted_speedup"][str(k)] for k in ks], "s-")
     k = spec["recommended_k"]

@@ -104,14 +104,15 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """The run at a glance: acceptance at each validation (left) and the final drafts' acceptance on each prompt
-    set, sampled and teacher-forced on the target's samples, against the cut-target baseline (right)."""
+    """The run at a glance: acceptance at each validation (left), the final drafts' acceptance on each prompt set,
+    sampled and teacher-forced on the target's samples, against the cut-target baseline (middle), and the best
+    draft's acceptance at each draft position (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(17, 4.2))
     hist = report["validation_history"]
     for key, style in (("val/alpha_on_target", "o-"), ("val/alpha", "s--"), ("val/alpha_analytic", "^:")):
         pts = [(h["step"], h[key]) for h in hist if key in h]
@@ -132,9 +133,28 @@ def plot_report(report: dict, path: Path) -> None:
     right.set_ylabel("alpha_on_target (bars), alpha (dots)")
     right.set_title(f"final drafts, T {s['temperature']}, top-p {s['top_p']}, K {s['k']}; c {report['c']:.3f}")
     right.legend()
+    acceptance_by_position(third, report["eval"].get("best", {}))
+    third.set_title("best draft: " + third.get_title())
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def acceptance_by_position(ax, acceptance: dict) -> None:
+    """Acceptance at each draft position, given the position was reached, per prompt set, against alpha (dotted):
+    the paper's i.i.d. assumption makes it flat, and tokens per call then follow from alpha alone."""
+    for name, r in acceptance.items():
+        pts = [(i + 1, a) for i, a in enumerate(r.get("acceptance_by_position") or []) if a is not None]
+        if pts:
+            line, = ax.plot(*zip(*pts), "o-", label=f"{name} (alpha {r['alpha']:.3f})")
+            ax.axhline(r["alpha"], ls=":", color=line.get_color())
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(token i accepted | reached)")
+    ax.set_title("acceptance by position (dotted: alpha)")
+    ax.set_ylim(0, 1)
+    if ax.lines:
+        ax.legend()
 
 
 def print_report(report: dict) -> None:
