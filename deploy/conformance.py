@@ -106,24 +106,20 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     prompts = [tok(r["prompt"]).input_ids for ps in ("code", "english")
                for r in load_prompts(ps, (n_prompts + 1) // 2)][:n_prompts]
     chi_prompt = tok(CHI_PROMPT).input_ids
-    jobs = []
+    # a first short job in each mode takes the warm-up (allocations, thread pools) out of the timed ones
+    jobs, timed_at = [Job(prompts[:1], 1, 8, 0.0)], []  # timed_at: the job each setting's tokens/s is read from
     for i, s in enumerate(settings):
         if s.temperature == 0:
             jobs.append(Job(prompts, 1, max_new_tokens, 0.0))
         else:
             jobs.append(Job([chi_prompt], draws, 2, s.temperature, s.top_p, seed + i))
             jobs.append(Job(prompts, samples, max_new_tokens, s.temperature, s.top_p, seed + 100 + i))
-    # a first short job in each mode takes the warm-up (allocations, thread pools) out of the timed ones
-    jobs = [Job(prompts[:1], 1, 8, 0.0)] + jobs
+        timed_at.append(len(jobs) - 1)
     print(f"{engine.name}: plain decoding ({len(jobs)} jobs)...", file=sys.stderr)
     plain = engine.run(jobs, speculative=False)[1:]
     print(f"{engine.name}: speculative decoding ({len(jobs)} jobs)...", file=sys.stderr)
     spec = engine.run(jobs, speculative=True)[1:]
 
-    timed_at, j = [], 1  # the job each setting's tokens/s is read from (after the warm-up job)
-    for s in settings:
-        j += 1 if s.temperature == 0 else 2
-        timed_at.append(j - 1)
     variants = {}
     for label, other in engine.variants().items():  # the timed jobs again, speculative, for their speed alone
         print(f"{engine.name}: speculative decoding, {label} ({len(timed_at)} jobs)...", file=sys.stderr)
@@ -159,7 +155,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
             r["variants"][label] = {"tok_s_speculative": _tok_s(o), "speedup": _tok_s(o) / r["tok_s_plain"],
                                     "engine_acceptance": o.accepted / o.drafted if o.drafted else None,
                                     # greedy: the same tokens as plain decoding, as the judged run had to
-                                    "identical": o.tokens == plain[j - 1].tokens if s.temperature == 0 else None}
+                                    "identical": o.tokens == timed[0].tokens if s.temperature == 0 else None}
         results[s.name] = r
     return {"engine": engine.name, "version": engine.version(), "precision": getattr(engine, "precision", "fp32"),
             "verdict":

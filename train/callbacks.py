@@ -73,7 +73,7 @@ class AcceptanceCallback(L.Callback):
             return Batch(t["ids"], t["mask"], t["loss_mask"].bool())
         t0 = time.perf_counter()
         ids, mask = (t.to(module.device) for t in self.on_target_prompts)
-        b = target_samples(module.place_target(), ids, mask, max_new_tokens=self.on_target_tokens,
+        b = target_samples(module.target, ids, mask, max_new_tokens=self.on_target_tokens,
                            eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.eos_token_id or 0,
                            seed=self.seed + 1, **self.sampling)
         print(f"draftsmith: val/alpha_on_target set: {len(ids)} prompts x {self.on_target_tokens} tokens "

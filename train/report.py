@@ -14,14 +14,14 @@ from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
 from draftsmith.train.build import truncated_target
 from draftsmith.train.evaluate import acceptance_by_set
-from draftsmith.train.rundir import checkpoint_state, partitioned, sharded
+from draftsmith.train.rundir import checkpoint_state, sharded
 
 
 def draft_from_checkpoint(draft, ckpt_path: str, rebuild: bool = False):
     """A copy of `draft` with the weights of a training checkpoint (`checkpoint_state`: a Lightning file or a
     DeepSpeed directory); a draft whose parameters ZeRO-3 or FSDP split (`rebuild`) is rebuilt from its config."""
     state = checkpoint_state(ckpt_path)
-    out = type(draft)(draft.config) if rebuild or partitioned(draft) else copy.deepcopy(draft)
+    out = type(draft)(draft.config) if rebuild else copy.deepcopy(draft)
     out.load_state_dict({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")})
     return out.eval()
 
