@@ -94,8 +94,9 @@ def _tok_s(out) -> float:
 
 def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000, n_prompts: int = 4,
           samples: int = 4, max_new_tokens: int = 48, level: float = LEVEL, tie_tol: float = 1e-3,
-          seed: int = 0) -> dict:
-    """Run the engine with and without the draft on every setting's jobs (one engine start per mode) and judge."""
+          seed: int = 0, texts: list[str] | None = None) -> dict:
+    """Run the engine with and without the draft on every setting's jobs (one engine start per mode) and judge.
+    texts: the prompts of the greedy and long jobs (None: `n_prompts` of the shipped code and English ones)."""
     from transformers import AutoTokenizer
 
     from draftsmith.deploy.engines import Job
@@ -103,8 +104,10 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     tok = AutoTokenizer.from_pretrained(bundle.target_dir)
     reference = load_model(str(bundle.target_dir), "fp32")
     eos = reference.generation_config.eos_token_id
-    prompts = [tok(r["prompt"]).input_ids for ps in ("code", "english")
-               for r in load_prompts(ps, (n_prompts + 1) // 2)][:n_prompts]
+    if texts is None:
+        texts = [r["prompt"] for ps in ("code", "english") for r in load_prompts(ps, (n_prompts + 1) // 2)]
+        texts = texts[:n_prompts]
+    prompts = [tok(t).input_ids for t in texts]
     chi_prompt = tok(CHI_PROMPT).input_ids
     # a first short job in each mode takes the warm-up (allocations, thread pools) out of the timed ones
     jobs, timed_at = [Job(prompts[:1], 1, 8, 0.0)], []  # timed_at: the job each setting's tokens/s is read from

@@ -211,7 +211,10 @@ class VllmEngine(Engine):
         return self._version
 
     def run(self, jobs, speculative):
-        spec = json.loads((self.bundle.path / "vllm_speculative_config.json").read_text()) if speculative else None
+        spec = None
+        if speculative:  # the bundle's own draft, wherever the bundle is now (the file names where it was exported)
+            spec = json.loads((self.bundle.path / "vllm_speculative_config.json").read_text())
+            spec["model"] = str(self.bundle.draft_dir.resolve())
         request = {"target": str(self.bundle.target_dir), "speculative_config": spec, "dtype": self.dtype,
                    "jobs": [asdict(j) for j in jobs]}
         with tempfile.TemporaryDirectory() as tmp:

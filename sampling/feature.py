@@ -27,6 +27,13 @@ from draftsmith.sampling.pruned import PrunedOutput
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
 
 
+def _default_layers(L: int) -> list[int]:
+    """vLLM's default for EAGLE-3 (2, L // 2, L - 3) where those are 3 distinct layers; on a shallower target
+    (tests' tiny ones) the first, middle and last. The config names them either way, so vLLM reads these."""
+    vllm = sorted({2, L // 2, L - 3})
+    return vllm if len(vllm) == 3 and 0 <= vllm[0] and vllm[-1] < L else [0, L // 2, L - 1]
+
+
 @dataclass
 class FeatureConfig:
     vocab_size: int
@@ -51,9 +58,10 @@ class FeatureConfig:
     def for_target(cls, tc, feature_layers=None, draft_vocab_size=None, intermediate_size=None) -> FeatureConfig:
         """A feature draft of the target's width and attention shape (EAGLE-3's default)."""
         L = tc.num_hidden_layers
-        layers = list(feature_layers) if feature_layers else [min(2, L - 1), L // 2, max(0, L - 3)]
-        if len(layers) != 3 or not all(0 <= i < L for i in layers):
-            raise ValueError(f"feature_layers must be 3 layer ids of the target in [0, {L}), got {layers}")
+        layers = sorted(feature_layers) if feature_layers else _default_layers(L)
+        if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
+            raise ValueError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
+                             f"{list(feature_layers)}")
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
         heads = tc.num_attention_heads
@@ -67,6 +75,13 @@ class FeatureConfig:
                    rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5), rope_theta=float(theta),
                    max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
                    draft_vocab_size=draft_vocab_size)
+
+    def __post_init__(self):
+        # vLLM collects the target's states in layer order, once per layer (`tuple(sorted(set(ids)))`): a draft whose
+        # fc reads them in another order, or one layer twice, would be served silently wrong there
+        if list(self.feature_layers) != sorted(set(self.feature_layers)):
+            raise ValueError(f"feature_layers {list(self.feature_layers)} are not distinct and increasing, the order "
+                             "in which vLLM passes the target's states: this draft cannot be served as trained")
 
     def check_target(self, tc) -> None:
         """A feature draft reads the hidden states of one target shape: refuse any other, naming both sides."""

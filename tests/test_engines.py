@@ -94,10 +94,16 @@ def test_llamacpp_is_judged(demo_bundle):
     assert q8["identical"] and q8["tok_s_speculative"] > 0 and q8["engine_acceptance"] is not None
 
 
+FEATURE_LAYERS = [0, 14, 29]  # none of them vLLM's default for a 30-layer target, (2, 15, 27)
+
+
 @pytest.fixture(scope="module")
 def feature_bundle(demo_target, tmp_path_factory):
-    """A feature head (EAGLE-3) with a pruned 8192-token head, as recipe=feature_head makes it (untrained: fc starts
-    as the top feature), on target layers [1, 14, 26], not vLLM's default [2, 15, 27]."""
+    """A feature head (EAGLE-3) with a pruned 8192-token head on target layers [0, 14, 29], built to depend on one
+    of them: fc passes layer 0's feature (the hidden state entering layer 0: the embedding of the token x_j) to the
+    head unchanged (the layer's attention and MLP outputs zeroed, a unit final norm), so slot j proposes x_j for
+    x_{j+2}, what the target says once it repeats itself. Fed another layer in that slot (vLLM's default layer 2),
+    the same weights propose other tokens."""
     from draftsmith.deploy.export import export
     from draftsmith.sampling.load import resolve
     from draftsmith.train.feature import build_feature_draft
@@ -106,7 +112,14 @@ def feature_bundle(demo_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("feature")
     counts = torch.zeros(target.config.vocab_size)
     counts[:8192] = 1.0
-    draft = build_feature_draft(target, [1, 14, 26], 8192, counts)
+    draft = build_feature_draft(target, FEATURE_LAYERS, 8192, counts)
+    H = target.config.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :H] = torch.eye(H)
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.norm.weight.fill_(1.0)
     draft.save_pretrained(root / "draft")
     tok.save_pretrained(root / "draft")
     return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
@@ -125,21 +138,45 @@ def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(fea
         TransformersEngine(bundle)
 
 
+# prompts whose greedy continuations repeat a token: there the feature bundle's draft is accepted
+REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red blue red blue red blue",
+           "1 0 1 0 1 0 1 0 1 0 1 0", "cat dog cat dog cat dog cat dog cat dog",
+           "def add(a, b):\n    return a + b\n", "The capital of France is"]
+
+
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
-def test_vllm_serves_a_feature_bundle_on_its_own_layers(feature_bundle):
-    """Greedy, the draft's proposals are a function of the features it reads: where vLLM reads the layers the
-    bundle names, its acceptance matches our sampler's on the same prompts; where it fell back to its default
-    layers (the bundle's ids ignored), it would not."""
-    from draftsmith.deploy.engines import DraftsmithEngine, VllmEngine
+def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, tmp_path):
+    """Greedy, the draft's proposals are a function of the features it reads, and this one's of layer 0's: where
+    vLLM reads the layers the bundle names, its acceptance matches our sampler's on the same prompts; with the layer
+    ids taken out of the draft's config (planted: vLLM then falls back to its default layers, silently) it is not
+    accepted at all. Greedy output stays lossless either way, so only acceptance can tell."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.deploy.bundle import Bundle
+    from draftsmith.deploy.engines import DraftsmithEngine, Job, VllmEngine
 
     bundle = open_bundle(feature_bundle)
-    kw = dict(draws=100, n_prompts=2, samples=1, max_new_tokens=32)
+    kw = dict(texts=REPEATS, max_new_tokens=32)
     ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
     theirs = check(bundle, VllmEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-    print("acceptance: ours", ours["engine_acceptance"], "vllm", theirs["engine_acceptance"], theirs["detail"])
-    assert theirs["verdict"] == "pass", theirs["detail"]
-    assert theirs["engine_counts"]["drafted"] > 0
+
+    planted = tmp_path / "bundle"  # edited after export, so built by hand: open_bundle refuses it
+    shutil.copytree(bundle.path, planted)
+    cfg = json.loads((planted / "draft" / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"], cfg["eagle_config"]
+    (planted / "draft" / "config.json").write_text(json.dumps(cfg))
+    edited = Bundle(planted, bundle.spec, bundle.target_dir, planted / "draft")
+    prompts = [AutoTokenizer.from_pretrained(bundle.target_dir)(t).input_ids for t in REPEATS]
+    (ignored,) = VllmEngine(edited).run([Job(prompts, 1, 32, 0.0)], speculative=True)
+    ignored_acceptance = ignored.accepted / ignored.drafted
+    print("acceptance: ours", ours["engine_counts"], "vllm", theirs["engine_counts"],
+          f"vllm without the layer ids {ignored.accepted}/{ignored.drafted};", theirs["detail"])
+    assert ours["verdict"] == "pass" and theirs["verdict"] == "pass", (ours["detail"], theirs["detail"])
+    assert ours["engine_acceptance"] > 0.4  # the construction works: a test of who reads which layer
     assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1
+    assert ignored_acceptance < ours["engine_acceptance"] - 0.3  # the planted fault is seen
 
 
 SPECULATORS_CHECK = """
@@ -172,7 +209,7 @@ def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classe
     res = subprocess.run([*run, str(bundle.draft_dir)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["class"] == "Eagle3SpeculatorConfig" and got["layers"] == [1, 14, 26]
+    assert got["class"] == "Eagle3SpeculatorConfig" and got["layers"] == FEATURE_LAYERS
     assert got["draft_vocab"] == 8192 and got["target_hidden"] == 576
     assert got["verifier"] == str(load.resolve("smollm2-135m")) and got["k"] == bundle.spec["recommended_k"]
     assert got["vllm"] == {"method": "eagle3", "num_speculative_tokens": bundle.spec["recommended_k"]}

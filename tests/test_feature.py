@@ -180,8 +180,27 @@ def test_feature_draft_refuses_another_target(pair):
     other = tiny_llama(vocab=V, layers=5, seed=0)
     with pytest.raises(ValueError, match=r"3 layers.*5 layers"):
         speculative_generate(other, draft, torch.tensor([[1, 2]]), max_new_tokens=2)
-    with pytest.raises(ValueError, match="feature_layers must be 3 layer ids"):
+    with pytest.raises(ValueError, match="feature_layers must be 3 distinct layer ids"):
         FeatureConfig.for_target(other.config, feature_layers=[0, 2, 9])
+
+
+def test_feature_layers_are_kept_in_the_order_vllm_passes_them(pair, tmp_path):
+    """vLLM hands the draft the target's states in layer order, each layer once: a draft is built on its layers
+    sorted, and one whose config names them otherwise (or a layer twice) is refused, not served wrong."""
+    import dataclasses
+    import json
+
+    target, draft = pair
+    assert FeatureConfig.for_target(target.config, feature_layers=[2, 0, 1]).feature_layers == [0, 1, 2]
+    with pytest.raises(ValueError, match="3 distinct layer ids"):
+        FeatureConfig.for_target(target.config, feature_layers=[0, 0, 1])
+    with pytest.raises(ValueError, match=r"\[2, 0, 1\] are not distinct and increasing"):
+        dataclasses.replace(draft.config, feature_layers=[2, 0, 1])
+    draft.save_pretrained(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "feature_layers": [0, 2, 2]}))
+    with pytest.raises(ValueError, match="cannot be served as trained"):
+        FeatureDraft.from_pretrained(tmp_path / "d")
 
 
 def test_save_load_roundtrip(pair, tmp_path):
