@@ -61,7 +61,7 @@ class FeatureConfig:
         layers = sorted(feature_layers) if feature_layers else _default_layers(L)
         if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
             raise ValueError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
-                             f"{list(feature_layers)}")
+                             f"{list(feature_layers) if feature_layers else layers}")
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
         heads = tc.num_attention_heads

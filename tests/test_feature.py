@@ -194,6 +194,8 @@ def test_feature_layers_are_kept_in_the_order_vllm_passes_them(pair, tmp_path):
     assert FeatureConfig.for_target(target.config, feature_layers=[2, 0, 1]).feature_layers == [0, 1, 2]
     with pytest.raises(ValueError, match="3 distinct layer ids"):
         FeatureConfig.for_target(target.config, feature_layers=[0, 0, 1])
+    with pytest.raises(ValueError, match=r"in \[0, 2\), got \[0, 1, 1\]"):  # too shallow for 3 distinct layers
+        FeatureConfig.for_target(tiny_llama(vocab=V, layers=2).config)
     with pytest.raises(ValueError, match=r"\[2, 0, 1\] are not distinct and increasing"):
         dataclasses.replace(draft.config, feature_layers=[2, 0, 1])
     draft.save_pretrained(tmp_path / "d")
