@@ -59,9 +59,6 @@ class FeatureConfig:
         """A feature draft of the target's width and attention shape (EAGLE-3's default)."""
         L = tc.num_hidden_layers
         layers = sorted(feature_layers) if feature_layers else _default_layers(L)
-        if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
-            raise ValueError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
-                             f"{list(feature_layers) if feature_layers else layers}")
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
         heads = tc.num_attention_heads
@@ -77,11 +74,14 @@ class FeatureConfig:
                    draft_vocab_size=draft_vocab_size)
 
     def __post_init__(self):
-        # vLLM collects the target's states in layer order, once per layer (`tuple(sorted(set(ids)))`): a draft whose
-        # fc reads them in another order, or one layer twice, would be served silently wrong there
-        if list(self.feature_layers) != sorted(set(self.feature_layers)):
-            raise ValueError(f"feature_layers {list(self.feature_layers)} are not distinct and increasing, the order "
-                             "in which vLLM passes the target's states: this draft cannot be served as trained")
+        layers, L = list(self.feature_layers), self.target_num_hidden_layers
+        if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
+            raise ValueError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got {layers}")
+        # vLLM collects the target's states in layer order (`tuple(sorted(set(ids)))`): a draft whose fc reads them
+        # in another order would be served silently wrong there
+        if layers != sorted(layers):
+            raise ValueError(f"feature_layers {layers} are not in increasing order, the order in which vLLM passes "
+                             "the target's states: this draft cannot be served as trained")
 
     def check_target(self, tc) -> None:
         """A feature draft reads the hidden states of one target shape: refuse any other, naming both sides."""

@@ -145,14 +145,12 @@ REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red b
 
 
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
-def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, tmp_path):
+def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, demo_target, tmp_path):
     """Greedy, the draft's proposals are a function of the features it reads, and this one's of layer 0's: where
     vLLM reads the layers the bundle names, its acceptance matches our sampler's on the same prompts; with the layer
     ids taken out of the draft's config (planted: vLLM then falls back to its default layers, silently) it is not
     accepted at all. Greedy output stays lossless either way, so only acceptance can tell."""
     import shutil
-
-    from transformers import AutoTokenizer
 
     from draftsmith.deploy.bundle import Bundle
     from draftsmith.deploy.engines import DraftsmithEngine, Job, VllmEngine
@@ -168,7 +166,7 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, tmp
     del cfg["eagle_aux_hidden_state_layer_ids"], cfg["eagle_config"]
     (planted / "draft" / "config.json").write_text(json.dumps(cfg))
     edited = Bundle(planted, bundle.spec, bundle.target_dir, planted / "draft")
-    prompts = [AutoTokenizer.from_pretrained(bundle.target_dir)(t).input_ids for t in REPEATS]
+    prompts = [demo_target[1](t).input_ids for t in REPEATS]
     (ignored,) = VllmEngine(edited).run([Job(prompts, 1, 32, 0.0)], speculative=True)
     ignored_acceptance = ignored.accepted / ignored.drafted
     print("acceptance: ours", ours["engine_counts"], "vllm", theirs["engine_counts"],
