@@ -100,22 +100,21 @@ def expand_slots(index: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return index[:, None, :, None].expand(kv.shape[0], kv.shape[1], index.shape[1], kv.shape[3])
 
 
-def compaction_order(valid: torch.Tensor) -> torch.Tensor:
-    """(B, n) slot indices: each row's valid slots first, in order; n = the most valid slots of any row."""
-    n = int(valid.sum(1).max())
+def compaction_order(valid: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, n) slot indices: each row's valid slots first, in order; n = the most valid slots of any row (the caller
+    knows it on the host: counting here would read the device)."""
     return torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :n]
 
 
-def compact_cache(cache, valid: torch.Tensor) -> torch.Tensor | None:
-    """Move each row's valid slots (`valid` (B, S) bool) to the front, in order, and drop the holes: returns the
-    new (B, n) valid mask, n = the most valid slots of any row. Exact: keys carry their RoPE positions already,
-    and attention over a row's valid slots does not depend on where they sit. None (nothing changed) when a
-    layer cannot be compacted (a sliding-window layer keeps only its last slots, a plain DynamicLayer is not
-    written in place)."""
+def compact_cache(cache, valid: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Move each row's valid slots (`valid` (B, S) bool, n the most of any row) to the front, in order, and drop
+    the holes: returns the new (B, n) valid mask. Exact: keys carry their RoPE positions already, and attention over
+    a row's valid slots does not depend on where they sit. None (nothing changed) when a layer cannot be compacted
+    (a sliding-window layer keeps only its last slots, a plain DynamicLayer is not written in place)."""
     layers = getattr(cache, "layers", [cache])  # a preallocated cache, or a cache of one layer (the feature draft's)
     if not all(hasattr(layer, "gather_slots") for layer in layers):
         return None
-    index = compaction_order(valid)
+    index = compaction_order(valid, n)
     for layer in layers:
         layer.gather_slots(index)
     return valid.gather(1, index)
@@ -140,8 +139,25 @@ def keep_last(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
     return hidden[:, -logits_to_keep:].contiguous() if logits_to_keep else hidden
 
 
+def attention_mask(valid: torch.Tensor, q: int) -> torch.Tensor:
+    """(B, 1, q, S) bool for q new tokens over (B, S) slot validity (the last q slots are theirs): each query sees
+    the valid slots before it and itself (a padded query too: a softmax over no slot is NaN, and its output is never
+    read). Handed to transformers as it is: given a 2-D mask it checks on the host whether the mask can be dropped,
+    a read of the device in every step."""
+    B, S = valid.shape
+    mask = valid[:, None, None, :].expand(B, 1, q, S).clone()
+    own = torch.eye(q, dtype=torch.bool, device=valid.device)
+    mask[..., S - q:] &= torch.ones(q, q, dtype=torch.bool, device=valid.device).tril()
+    mask[..., S - q:] |= own
+    return mask
+
+
 class Decoder:
-    """One model's decoding state for the active rows: its KV cache and which cache slots are valid."""
+    """One model's decoding state for the active rows: its KV cache and which cache slots are valid.
+
+    Validity lives twice: on the model's device (`valid`, the attention mask) and on the host (`valid_host`), from
+    which every decision is taken (crop, compaction, whether any slot is masked at all), so that a decoding step
+    never reads the device: the sampler reads it once per loop, for the tokens it emits (sampling/speculative.py)."""
 
     def __init__(self, model, capacity: int | None = None, holes: int | None = None):
         """capacity: the cache length a generation can reach, when known: its KV cache is then allocated once and
@@ -150,52 +166,66 @@ class Decoder:
         longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity
         (`scripts/bench_memory.py`; docs/results.md, Memory)."""
         self.model = model
-        if hasattr(model, "new_cache"):  # a feature draft: one layer of its own
+        self.own_mask = hasattr(model, "new_cache")  # a feature draft: one layer of its own, a 2-D mask
+        if self.own_mask:
             self.cache = model.new_cache(capacity)
         elif capacity is None:
             self.cache = DynamicCache(config=model.config)
         else:
             self.cache = preallocated_cache(model.config, capacity)
-        self.valid: torch.Tensor | None = None  # (B, S) bool
+        self.valid: torch.Tensor | None = None  # (B, S) bool, on the model's device
+        self.valid_host: torch.Tensor | None = None  # the same, on the host
         self.holes = holes
         self.compactions = 0
 
-    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, **extra):
-        """tokens, positions, valid: (B, T). Returns the model output (`.logits`: (B, logits_to_keep, V)).
-        `extra`: a feature draft's `features`."""
+    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, valid_host=None, **extra):
+        """tokens, positions, valid: (B, T) on the device; `valid_host`: `valid` on the host (None: all valid).
+        Returns the model output (`.logits`: (B, logits_to_keep, V)). `extra`: a feature draft's `features`."""
+        if valid_host is None:
+            valid_host = torch.ones(valid.shape, dtype=torch.bool, device="cpu")
+        mask_host = valid_host if self.valid_host is None else torch.cat([self.valid_host, valid_host], dim=1)
         mask = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+        if bool(mask_host.all()):  # the host copy: no masked slot, the fast causal path
+            attention = None
+        else:
+            attention = mask if self.own_mask else attention_mask(mask, tokens.shape[1])
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
-            attention_mask=None if bool(mask.all()) else mask,
+            attention_mask=attention,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=keep_index(logits_to_keep, tokens.shape[1], tokens.device),
             **extra,
         )
-        self.valid = mask
+        self.valid, self.valid_host = mask, mask_host
         return out
 
-    def settle(self, new_valid: torch.Tensor) -> None:
-        """Set the validity of the newest slots (B, n), then crop trailing slots that no row uses, and compact
-        when the holes exceed their budget."""
+    def settle(self, new_valid: torch.Tensor, new_valid_host: torch.Tensor) -> None:
+        """Set the validity of the newest slots (B, n) (on the device and, the same values, on the host), then crop
+        trailing slots that no row uses, and compact when the holes exceed their budget."""
         n = new_valid.shape[1]
-        self.valid[:, self.valid.shape[1] - n:] = new_valid
-        used = self.valid.any(0).nonzero()
+        S = self.valid.shape[1]
+        self.valid[:, S - n:] = new_valid
+        self.valid_host[:, S - n:] = new_valid_host
+        used = self.valid_host.any(0).nonzero()
         keep = int(used[-1]) + 1 if len(used) else 0
-        drop = self.valid.shape[1] - keep
+        drop = S - keep
         if drop:
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to remove
-            self.valid = self.valid[:, :keep]
-        if self.holes is not None and keep - int(self.valid.sum(1).max()) > self.holes:
+            self.valid, self.valid_host = self.valid[:, :keep], self.valid_host[:, :keep]
+        if self.holes is not None and keep - int(self.valid_host.sum(1).max()) > self.holes:
             self._compact()
 
     def _compact(self) -> None:
-        valid = compact_cache(self.cache, self.valid)
+        n = int(self.valid_host.sum(1).max())
+        valid = compact_cache(self.cache, self.valid, n)
         if valid is not None:
             self.valid = valid
+            self.valid_host = self.valid_host.gather(1, compaction_order(self.valid_host, n))
             self.compactions += 1
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: torch.Tensor, rows_host: torch.Tensor) -> None:
+        """Keep the active rows `rows` (on the device; `rows_host` the same on the host)."""
         self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
+        self.valid, self.valid_host = self.valid[rows], self.valid_host[rows_host]

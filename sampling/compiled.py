@@ -149,6 +149,7 @@ class StaticDecoder(Decoder):
             raise ValueError("compile=True needs full-attention layers only: drop compile")
         self.step = _step_fn(model)
         self.valid: torch.Tensor | None = None
+        self.valid_host: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None  # active row -> row of the static batch
         self.holes = holes
         self.compactions = 0
@@ -173,7 +174,7 @@ class StaticDecoder(Decoder):
     def filled(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
-    def __call__(self, tokens, positions, valid, logits_to_keep: int | None):
+    def __call__(self, tokens, positions, valid, logits_to_keep: int | None, valid_host=None):
         Bn, q = tokens.shape
         if self.rows is None:
             self.batch, self.rows = Bn, torch.arange(Bn, device=tokens.device)
@@ -189,7 +190,10 @@ class StaticDecoder(Decoder):
             _plain_inputs(self.cache)
         else:
             logits = self._compiled(full_tokens, full_pos, mask, keep)
+        if valid_host is None:
+            valid_host = torch.ones(valid.shape, dtype=torch.bool, device="cpu")
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+        self.valid_host = valid_host if self.valid_host is None else torch.cat([self.valid_host, valid_host], dim=1)
         return _wrap(self.model, logits[self.rows])
 
     def _compiled(self, tokens, positions, mask, keep):
@@ -215,8 +219,8 @@ class StaticDecoder(Decoder):
 
     def _compact(self) -> None:
         """Each active row's valid slots to the front, in order (exact: see `cache.compact_cache`), in place."""
-        order = compaction_order(self.valid)
-        n = order.shape[1]
+        n = int(self.valid_host.sum(1).max())
+        order = compaction_order(self.valid, n)
         index = torch.arange(n, device=order.device).repeat(self.batch, 1)  # finished rows: anything in range
         index[self.rows] = order
         S = self.filled
@@ -225,9 +229,10 @@ class StaticDecoder(Decoder):
                 kv[:, :, :n] = kv[:, :, :S].gather(2, expand_slots(index, kv))
             layer.cumulative_length.fill_(n)
         self.valid = self.valid.gather(1, order)
+        self.valid_host = self.valid_host.gather(1, compaction_order(self.valid_host, n))
         self.compactions += 1
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: torch.Tensor, rows_host: torch.Tensor) -> None:
         """Keep active rows `rows`; the others stay in the static batch, unread."""
         self.rows = self.rows[rows]
-        self.valid = self.valid[rows]
+        self.valid, self.valid_host = self.valid[rows], self.valid_host[rows_host]

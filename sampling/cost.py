@@ -49,7 +49,8 @@ class Stepper:
             self.static(self.context[:, :n], self.positions(L, L + n), torch.ones(1, n, dtype=torch.bool,
                                                                                  device=self.dev), n)
             dt = now(self.dev) - t
-            self.static.settle(torch.zeros(1, n, dtype=torch.bool, device=self.dev))
+            rejected = torch.zeros(1, n, dtype=torch.bool)
+            self.static.settle(rejected.to(self.dev), rejected)
             return dt
         extra = self.extra(n)
         t = now(self.dev)

@@ -346,14 +346,17 @@ def is_feature_dir(path) -> bool:
 
 class FeatureTap:
     """Forward pre-hooks on the target's decoder layers that keep the hidden states entering the feature layers.
-    `take()` returns them concatenated, (B, T, 3 H), for the last forward call."""
+    `take()` returns them concatenated, (B, T, 3 H), for the last forward call, on `device` (default: where the
+    target's outputs come back, its first parameter's device): a target spread over several GPUs
+    (`device_map="auto"`) holds each layer's state on that layer's GPU, which no concatenation can mix."""
 
-    def __init__(self, target, layers: list[int]):
+    def __init__(self, target, layers: list[int], device=None):
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         blocks = decoder.layers
         self._seen: dict[int, torch.Tensor] = {}
         self._handles = []
         self.layers = list(layers)
+        self.device = torch.device(device) if device is not None else next(target.parameters()).device
         for i in dict.fromkeys(self.layers):
             self._handles.append(blocks[i].register_forward_pre_hook(self._hook(i), with_kwargs=True))
 
@@ -363,7 +366,7 @@ class FeatureTap:
         return keep
 
     def take(self) -> torch.Tensor:
-        out = torch.cat([self._seen[i] for i in self.layers], -1)
+        out = torch.cat([self._seen[i].to(self.device) for i in self.layers], -1)
         self._seen.clear()
         return out
 

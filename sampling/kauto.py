@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.sampling.machine import device_of
+
 _COSTS: dict = {}  # (id(target), id(draft), compile) -> measured cost model, for k="auto" without a given one
 
 
@@ -52,38 +54,41 @@ class KChooser:
         if not v:
             raise ValueError(f"the cost model has no v(K) for K in 1..{k_max}")
         self.k_max = max(v)
+        # the state lives where the models do: a decision reads one value back, never the tables
+        dev = device_of(target)
+        f64 = dict(dtype=torch.float64, device=dev)
         self.time = torch.tensor([k * float(cost["c"]) + _interpolate(v, k) for k in range(self.k_max + 1)],
-                                 dtype=torch.float64)  # index K; K = 0 is never chosen (a loop drafts >= 1)
-        self.accepted = torch.full((rows,), alpha_prior * strength, dtype=torch.float64)
-        self.tested = torch.full((rows,), strength, dtype=torch.float64)
-        self.bin_accept = torch.full((self.BINS,), alpha_prior, dtype=torch.float64)  # one pseudo-token per bin
-        self.bin_count = torch.ones(self.BINS, dtype=torch.float64)
+                                 **f64)  # index K; K = 0 is never chosen (a loop drafts >= 1)
+        self.accepted = torch.full((rows,), alpha_prior * strength, **f64)
+        self.tested = torch.full((rows,), strength, **f64)
+        self.bin_accept = torch.full((self.BINS,), alpha_prior, **f64)  # one pseudo-token per bin
+        self.bin_count = torch.ones(self.BINS, **f64)
 
     def _bins(self, conf: torch.Tensor) -> torch.Tensor:
         return (conf * self.BINS).long().clamp_(0, self.BINS - 1)
 
     def stopper(self, active: torch.Tensor, bound: int):
-        """The `stop(confs)` of one loop over the `active` rows, drafting at most `bound` tokens."""
-        a = (self.accepted[active.cpu()] / self.tested[active.cpu()]).clamp(max=1 - 1e-6)[:, None]  # (B, 1)
+        """The `stop(confs)` of one loop over the `active` rows (on the device), drafting at most `bound` tokens:
+        computed where the models are, one boolean read back per drafted token."""
+        a = (self.accepted[active] / self.tested[active]).clamp(max=1 - 1e-6)[:, None]  # (B, 1)
         table = self.bin_accept / self.bin_count
 
         def stop(confs: list[torch.Tensor]) -> bool:
             i = len(confs)
-            pred = table[self._bins(torch.stack(confs, 1).cpu())]  # (B, i)
+            pred = table[self._bins(torch.stack(confs, 1))]  # (B, i)
             prefix = pred.cumprod(1)
-            more = (a ** torch.arange(1, bound - i + 1, dtype=torch.float64)).cumsum(1)  # (B, bound - i)
+            more = (a ** torch.arange(1, bound - i + 1, dtype=torch.float64, device=a.device)).cumsum(1)
             expected = 1 + prefix.sum(1, keepdim=True) + prefix[:, -1:] * torch.cat([torch.zeros_like(a), more], 1)
-            return int((expected.sum(0) / self.time[i:bound + 1]).argmax()) == 0
+            return bool((expected.sum(0) / self.time[i:bound + 1]).argmax() == 0)
 
         return stop
 
     def update(self, active: torch.Tensor, n: torch.Tensor, K: int, confs: torch.Tensor, accept: torch.Tensor):
         """n (B,) drafts accepted of K; confs, accept (B, K): the draft's probability of each drafted token and the
-        probability the target accepts it, min(1, q/p) (greedy: whether it matched)."""
-        idx = active.cpu()
-        n = n.cpu().double()
-        self.accepted[idx] += n
-        self.tested[idx] += torch.clamp(n + 1, max=K)  # drafts that reached the test
-        bins = self._bins(confs.cpu()).flatten()
-        self.bin_accept.index_add_(0, bins, accept.cpu().double().flatten())
+        probability the target accepts it, min(1, q/p) (greedy: whether it matched). All on the device."""
+        n = n.double()
+        self.accepted[active] += n
+        self.tested[active] += torch.clamp(n + 1, max=K)  # drafts that reached the test
+        bins = self._bins(confs).flatten()
+        self.bin_accept.index_add_(0, bins, accept.double().flatten())
         self.bin_count.index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))

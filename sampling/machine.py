@@ -38,6 +38,52 @@ def now(device=None) -> float:
     return time.perf_counter()
 
 
+def reads_are_free(device) -> bool:
+    """True where reading a tensor's values from the host costs no wait: on the CPU the host is the device. On an
+    accelerator every read (`.item()`, `.tolist()`, `bool()`, `nonzero`) waits for the device's queue to drain, so
+    the sampler's loops read once per loop there and branch on nothing else; on the CPU a few loops branch on values
+    to skip work (top-p over a few candidates instead of a sort of the whole vocabulary). Tests set it False to run
+    the accelerator's paths on the CPU, with real numbers."""
+    return torch.device(device).type == "cpu"
+
+
+class Timeline:
+    """Marks on a device's own clock that never make the host wait: on CUDA each mark is an event recorded in the
+    stream (a synchronising timer would stall the queue at every mark, and the loop's overlap of host and device
+    work with it), resolved once at the end; elsewhere `perf_counter`. Spans are named (`draft`, `target`, ...)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list = []
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+        self.start = self.mark()
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def span(self, name: str, start: int) -> int:
+        """Closes the span `name` opened at mark `start`; returns its end mark."""
+        end = self.mark()
+        self.spans.setdefault(name, []).append((start, end))
+        return end
+
+    def seconds(self) -> list[float]:
+        """Every mark's time since the first, in seconds (on CUDA: one wait, for the last event)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
+        return [m - self.marks[0] for m in self.marks]
+
+    def total(self, name: str, at: list[float]) -> float:
+        return sum(at[b] - at[a] for a, b in self.spans.get(name, ()))
+
+
 def cache_home() -> Path:
     """$DRAFTSMITH_HOME, default ~/.cache/draftsmith: models, generated corpora, verdicts, engines."""
     return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.sampling.machine import reads_are_free
+
 # Nucleus sampling on a 49k vocabulary: a full sort costs more than a 2-layer draft step on a CPU, and even the
 # top 1024 of 64 rows cost a sixth of a batch-64 target step (the top 64: under a third of that). A
 # language model's nucleus mostly lies in its top 64; rows whose candidates miss it widen to 1024, then to all.
@@ -61,6 +63,10 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     tokens tied with the least likely kept one are kept too, so the result never depends on sort order)."""
     V = probs.shape[-1]
     flat = probs.reshape(-1, V)
+    if not reads_are_free(probs.device):  # an accelerator sorts a vocabulary fast; widening would read back
+        threshold = _nucleus_threshold(flat.sort(dim=-1, descending=True).values, top_p)
+        kept = flat * (flat >= threshold)
+        return (kept / kept.sum(-1, keepdim=True)).reshape(probs.shape)
     rows = threshold = None  # rows: all; then those whose candidates held less than top_p (the nucleus is larger)
     for m in (*(c for c in _TOP_P_CANDIDATES if c < V), V):
         sub = flat if rows is None else flat[rows]
@@ -95,15 +101,17 @@ def uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) probabilities -> (B,) token ids, by inverse CDF: one uniform per row.
 
-    torch.multinomial costs ~1 ms on a 49k vocabulary on our CPU, a cumsum + searchsorted ~0.06 ms.
+    torch.multinomial costs ~1 ms on a 49k vocabulary on our CPU, a cumsum + searchsorted ~0.06 ms. Reads nothing
+    back from the device.
     """
     cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
     u = uniform((probs.shape[0], 1), generator, cdf.dtype, cdf.device)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-    # float rounding can land past the last positive entry (probability ~2^-24): never emit a zero-prob token
-    # (the argmax only when it happens: over 64 rows of 49k it costs ~4 ms, more than the cumsum of the draw itself)
-    zero = probs.gather(-1, idx[:, None]).squeeze(-1) <= 0
-    return torch.where(zero, probs.argmax(-1), idx) if bool(zero.any()) else idx
+    # u * total < total in exact arithmetic; rounded, it may reach total (probability ~2^-24) and land past the last
+    # positive entry. Kept strictly below, the index found has cdf[i] > x >= cdf[i-1], so probs[i] > 0: a zero-prob
+    # token is never emitted, with no check that would read the draw back
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 @torch.inference_mode()

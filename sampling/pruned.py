@@ -22,12 +22,15 @@ class PrunedHeadDraft(nn.Module):
         self.draft = draft
         self.config = draft.config
         self.generation_config = getattr(draft, "generation_config", None)
-        head = draft.get_output_embeddings()
-        self.register_buffer("token_ids", token_ids.to(torch.long).sort().values, persistent=False)
-        self.head = nn.Linear(head.weight.shape[1], len(token_ids), bias=False, dtype=head.weight.dtype)
-        self.head.weight.data.copy_(head.weight.data[self.token_ids])
-        self.head.weight.requires_grad_(head.weight.requires_grad)  # a frozen draft's head stays frozen
-        self.vocab = head.weight.shape[0]
+        weight = draft.get_output_embeddings().weight
+        # on the draft's own device: a head built on the host beside a draft on a GPU fails at its first step
+        ids = token_ids.to(device=weight.device, dtype=torch.long).sort().values
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.head = nn.Linear(weight.shape[1], len(ids), bias=False, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            self.head.weight.copy_(weight.index_select(0, ids))
+        self.head.weight.requires_grad_(weight.requires_grad)  # a frozen draft's head stays frozen
+        self.vocab = weight.shape[0]
 
     @property
     def dtype(self):

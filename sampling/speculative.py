@@ -23,7 +23,7 @@ from draftsmith.sampling.cache import Decoder
 from draftsmith.sampling.compiled import StaticDecoder, check_compilable
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
 from draftsmith.sampling.kauto import KChooser
-from draftsmith.sampling.machine import device_of, now
+from draftsmith.sampling.machine import Timeline, device_of
 from draftsmith.sampling.probs import SamplingConfig, process_logits, sample
 from draftsmith.sampling.rejection import acceptance_probability, expected_acceptance, verify
 from draftsmith.sampling.stats import GenerationStats
@@ -40,11 +40,13 @@ def _decoder(model, capacity: int, holes: int | None = None, compile: bool = Fal
 
 
 class _Rows:
-    """Per-row outputs, budgets and EOS; drops finished rows from the batch."""
+    """Per-row outputs, budgets and EOS, all on the host; drops finished rows from the batch. `index` maps active
+    rows to input rows on the device (it selects cache rows there), `active` the same on the host."""
 
     def __init__(self, batch: int, max_new_tokens: int, eos_token_id, device):
         self.out: list[list[int]] = [[] for _ in range(batch)]
-        self.index = torch.arange(batch, device=device)  # active row -> input row (selects cache rows)
+        self.index = torch.arange(batch, device=device)
+        self.active = torch.arange(batch)  # host
         self.remaining = [max_new_tokens] * batch  # indexed by input row
         if eos_token_id is None:
             eos = set()
@@ -55,12 +57,12 @@ class _Rows:
         self.eos = eos
 
     def max_remaining(self) -> int:
-        return max(self.remaining[r] for r in self.index.tolist())
+        return max(self.remaining[r] for r in self.active.tolist())
 
-    def emit(self, new: list[list[int]]) -> tuple[torch.Tensor, int]:
-        """new[i]: tokens produced for active row i. Returns (done mask over active rows, tokens kept)."""
+    def emit(self, new: list[list[int]]) -> tuple[list[bool], int]:
+        """new[i]: tokens produced for active row i. Returns (done, per active row; tokens kept)."""
         done, kept = [], 0
-        for r, toks in zip(self.index.tolist(), new):
+        for r, toks in zip(self.active.tolist(), new):
             toks = toks[: self.remaining[r]]
             ends = next((j for j, t in enumerate(toks) if t in self.eos), None)
             if ends is not None:
@@ -69,7 +71,15 @@ class _Rows:
             self.remaining[r] = 0 if ends is not None else self.remaining[r] - len(toks)  # nothing follows EOS
             kept += len(toks)
             done.append(self.remaining[r] == 0)
-        return torch.tensor(done, device=self.index.device), kept
+        return done, kept
+
+    def keep(self, done: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop the finished rows: (rows kept on the device, the same on the host), to select every row-indexed
+        state with. A copy to the device, paid when rows finish, not in every loop."""
+        live_host = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
+        live = live_host.to(self.index.device)
+        self.index, self.active = self.index[live], self.active[live_host]
+        return live, live_host
 
     def tensors(self, device) -> list[torch.Tensor]:
         return [torch.tensor(o, dtype=torch.long, device=device) for o in self.out]
@@ -161,10 +171,16 @@ def _confidence(out, p_i, d_i) -> torch.Tensor:
     return torch.softmax(logits.double(), -1).amax(-1)
 
 
-def _prefill(dec: Decoder, input_ids, attention_mask, logits_to_keep=1, **extra):
+def _prefill(dec: Decoder, input_ids, attention_mask, logits_to_keep=1, mask_host=None, **extra):
+    """The prompt into `dec`'s cache. `mask_host`: the prompt's attention mask on the host (read once per
+    generation, before its loop)."""
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-    return dec(input_ids, positions, valid, logits_to_keep, **extra)
+    return dec(input_ids, positions, valid, logits_to_keep, valid_host=mask_host, **extra)
+
+
+def _host_mask(attention_mask) -> torch.Tensor | None:
+    return None if attention_mask is None else attention_mask.bool().cpu()
 
 
 @torch.inference_mode()
@@ -186,43 +202,43 @@ def autoregressive_generate(
 
     attention_mask (optional, (B, T)) marks left padding in a batch of prompts of different lengths.
     compile: static-shape decoding steps compiled with torch.compile (`sampling/compiled.py`).
-    on_logits(rows, logits): called before each token is drawn with the input rows still decoding and their raw
-    logits (len(rows), V), the distribution that token comes from: a draft trained on these samples needs the
-    target's logits at exactly these positions, and recomputing them costs a teacher pass (`train/corpus.py`).
-    """
+    on_logits(rows, logits): called before each token is drawn with the input rows still decoding (a LongTensor on
+    the host) and their raw logits (len(rows), V) on the device, the distribution that token comes from: a draft
+    trained on these samples needs the target's logits at exactly these positions, and recomputing them costs a
+    teacher pass (`train/corpus.py`)."""
     cfg = SamplingConfig(temperature, top_k, top_p)
     _check_inputs([target], input_ids, attention_mask, max_new_tokens)
     input_ids, attention_mask = _on_device(target, input_ids, attention_mask)
     dev = input_ids.device
-    t0 = now(dev)
+    clock = Timeline(dev)
     B = input_ids.shape[0]
     stats = GenerationStats(k=0, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, input_ids.device)
     dec = _decoder(target, input_ids.shape[1] + max_new_tokens, compile=compile)
-    out = _prefill(dec, input_ids, attention_mask)
+    mask_host = _host_mask(attention_mask)
+    out = _prefill(dec, input_ids, attention_mask, mask_host=mask_host)
     pos = dec.valid.sum(1)  # (B,) position of the next token
-    stats.prefill_s = now(dev) - t0
-    stats.record_loop(0)
+    stats.record_loop(0, clock.span("prefill", clock.start))
     while True:
         if on_logits is not None:
-            on_logits(rows.index, out.logits[:, -1])
+            on_logits(rows.active, out.logits[:, -1])
         _, tok = _next_token(out, cfg, generator)
-        done, kept = rows.emit([[x] for x in tok.tolist()])
+        done, kept = rows.emit([[x] for x in tok.tolist()])  # the loop's one read of the device
         stats.new_tokens += kept
-        stats.record_loop(kept)
-        stats.row_loops += len(tok)
-        if bool(done.all()):
+        stats.record_loop(kept, clock.mark())
+        stats.row_loops += len(done)
+        if all(done):
             break
-        if bool(done.any()):
-            live = (~done).nonzero().squeeze(1)
-            rows.index, tok, pos = rows.index[live], tok[live], pos[live]
-            dec.select(live)
-        t = now(dev)
+        if any(done):
+            live, live_host = rows.keep(done)
+            tok, pos = tok[live], pos[live]
+            dec.select(live, live_host)
+        t = clock.mark()
         out = dec(tok[:, None], pos[:, None], torch.ones_like(tok[:, None], dtype=torch.bool), 1)
-        stats.target_s += now(dev) - t
+        clock.span("target", t)
         stats.target_calls += 1
         pos = pos + 1
-    stats.total_s = now(dev) - t0
+    stats.finish(clock)
     return Generation(rows.tensors(input_ids.device), stats)
 
 
@@ -233,40 +249,46 @@ class _ModelDrafter:
 
     def __init__(self, draft, tap=None, capacity: int | None = None, holes: int | None = None, compile=False):
         self.dec = _decoder(draft, capacity, holes, compile)
-        self.backlog = self.has_backlog = None  # a row whose K drafts were all accepted owes the draft its last one
+        # a row whose K drafts were all accepted owes the draft its last one (on the device, and on the host)
+        self.backlog = self.has_backlog = self.has_backlog_host = None
 
-    def prefill(self, input_ids, head_mask):
-        _prefill(self.dec, input_ids[:, :-1], head_mask)
+    def prefill(self, input_ids, head_mask, head_mask_host):
+        _prefill(self.dec, input_ids[:, :-1], head_mask, mask_host=head_mask_host)
         self.start(input_ids.shape[0], input_ids.device)
 
     def start(self, B, dev):  # also the whole start of a one-token prompt: nothing to prefill
         self.backlog = torch.zeros(B, dtype=torch.long, device=dev)
         self.has_backlog = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.has_backlog_host = torch.zeros(B, dtype=torch.bool)
 
     def propose(self, pending, pos, K, cfg, generator, stop=None):
         ones = torch.ones(pending.shape[0], 1, dtype=torch.bool, device=pending.device)
-        self.fed_backlog = bool(self.has_backlog.any())
+        self.fed_backlog = bool(self.has_backlog_host.any())
         if self.fed_backlog:
             out = self.dec(torch.stack([self.backlog, pending], 1), torch.stack([pos - 1, pos], 1),
-                           torch.stack([self.has_backlog, ones[:, 0]], 1), 1)
+                           torch.stack([self.has_backlog, ones[:, 0]], 1), 1,
+                           valid_host=torch.stack([self.has_backlog_host, torch.ones_like(self.has_backlog_host)], 1))
         else:
             out = self.dec(pending[:, None], pos[:, None], ones, 1)
         return _draft_tokens(out, K, cfg, generator,
                              lambda i, d_i, out: self.dec(d_i[:, None], (pos + 1 + i)[:, None], ones, 1), stop)
 
-    def accept(self, n, drafts, nxt, pos, features, last: bool):
+    def accept(self, n, n_host, drafts, nxt, pos, features, last: bool):
         """Roll the cache back to what it was fed of the accepted prefix (its last draft token is never fed)."""
         K = drafts.shape[1]
         new = torch.arange(K, device=n.device)[None, :] <= n[:, None]  # pending, d_1..d_{K-1}
+        new_host = torch.arange(K)[None, :] <= n_host[:, None]
         if self.fed_backlog:
             new = torch.cat([self.has_backlog[:, None], new], 1)
-        self.dec.settle(new)
-        self.has_backlog = n == K
+            new_host = torch.cat([self.has_backlog_host[:, None], new_host], 1)
+        self.dec.settle(new, new_host)
+        self.has_backlog, self.has_backlog_host = n == K, n_host == K
         self.backlog = drafts[:, -1]
 
-    def select(self, live):
-        self.dec.select(live)
+    def select(self, live, live_host):
+        self.dec.select(live, live_host)
         self.backlog, self.has_backlog = self.backlog[live], self.has_backlog[live]
+        self.has_backlog_host = self.has_backlog_host[live_host]
 
 
 class _FeatureDrafter:
@@ -284,9 +306,9 @@ class _FeatureDrafter:
     def can_draft(self) -> bool:  # not before the target has produced a feature (a one-token prompt)
         return self.hidden is not None
 
-    def prefill(self, input_ids, head_mask):
+    def prefill(self, input_ids, head_mask, head_mask_host):
         features = self.tap.take()  # the target's, at positions 0..L-2
-        out = _prefill(self.dec, input_ids[:, 1:], head_mask, None, features=features)
+        out = _prefill(self.dec, input_ids[:, 1:], head_mask, None, mask_host=head_mask_host, features=features)
         self.hidden = out.hidden[:, -1:]
 
     def start(self, B, dev):
@@ -301,29 +323,32 @@ class _FeatureDrafter:
         self.own = drafts.shape[1] - 1
         return p, drafts, confs
 
-    def accept(self, n, drafts, nxt, pos, features, last: bool):
+    def accept(self, n, n_host, drafts, nxt, pos, features, last: bool):
         B = n.shape[0]
         if self.own > 0:
-            self.dec.settle(torch.zeros(B, self.own, dtype=torch.bool, device=n.device))
+            self.dec.settle(torch.zeros(B, self.own, dtype=torch.bool, device=n.device),
+                            torch.zeros(B, self.own, dtype=torch.bool))
         self.own = 0
         if last:
             return
-        m = int(n.max()) + 1  # rows that accepted fewer leave holes (masked), as in the target's cache
+        m = int(n_host.max()) + 1  # rows that accepted fewer leave holes (masked), as in the target's cache
         steps = torch.arange(m, device=n.device)
         rows = torch.arange(B, device=n.device)
         tokens = torch.cat([drafts, nxt[:, None]], 1)[:, :m].clone()
         tokens[rows, n] = nxt  # slot pos + i reads x_{pos+i+1}: d_{i+1}, then the emitted token
-        valid = steps[None, :] <= n[:, None]
-        out = self.dec(tokens, pos[:, None] + steps, valid, None, features=features[:, :m])
-        self.dec.settle(valid)  # compacts the holes when they exceed their budget, as after the target's verify
+        valid, valid_host = steps[None, :] <= n[:, None], torch.arange(m)[None, :] <= n_host[:, None]
+        out = self.dec(tokens, pos[:, None] + steps, valid, None, valid_host=valid_host, features=features[:, :m])
+        self.dec.settle(valid, valid_host)  # compacts the holes past their budget, as after the target's verify
         self.hidden = out.hidden[rows, n][:, None]
 
-    def select(self, live):
-        self.dec.select(live)
+    def select(self, live, live_host):
+        self.dec.select(live, live_host)
         self.hidden = self.hidden[live]
 
 
 HOLE_LOOPS = 16  # loops' worth of holes (K + 1 slots each) a cache may hold before it is compacted
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -373,7 +398,7 @@ def speculative_generate(
     tap = None
     if is_feature_draft(draft):
         draft.config.check_target(target.config)
-        tap = FeatureTap(target, draft.feature_layers)
+        tap = FeatureTap(target, draft.feature_layers, device=device_of(draft))
     input_ids, attention_mask = _on_device(target, input_ids, attention_mask)
     try:
         return _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg,
@@ -385,8 +410,11 @@ def speculative_generate(
 
 def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tokens, k, cfg, eos_token_id,
                       generator, chooser=None, compile=False) -> Generation:
+    """One read of the device per loop: the accepted counts, the next tokens and the drafts, together (on an
+    accelerator every read waits for its queue); everything the loop decides (which rows go on, how far the caches
+    roll back, K) is taken from that copy on the host. k="auto" reads one decision per drafted token besides."""
     dev = input_ids.device
-    t0 = now(dev)
+    clock = Timeline(dev)
     B = input_ids.shape[0]
     stats = GenerationStats(k=k, rows=B)
     rows = _Rows(B, max_new_tokens, eos_token_id, dev)
@@ -396,19 +424,20 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
     capacity = input_ids.shape[1] + max_new_tokens + k + 2 + holes
     tgt = _decoder(target, capacity, holes, compile)
     drafter = (_FeatureDrafter if tap is not None else _ModelDrafter)(draft, tap, capacity, holes, compile)
+    analytic = torch.zeros((), dtype=torch.float64, device=dev)  # sum_x min(p, q) at tested positions, read at the end
 
     # Both caches hold everything but the last token, `pending`, which each loop feeds first.
     pending = input_ids[:, -1]
     if input_ids.shape[1] > 1:
         head_mask = None if attention_mask is None else attention_mask[:, :-1]
-        _prefill(tgt, input_ids[:, :-1], head_mask)
-        drafter.prefill(input_ids, head_mask)
+        head_mask_host = _host_mask(head_mask)
+        _prefill(tgt, input_ids[:, :-1], head_mask, mask_host=head_mask_host)
+        drafter.prefill(input_ids, head_mask, head_mask_host)
         pos = tgt.valid.sum(1)
     else:
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         drafter.start(B, dev)
-    stats.prefill_s = now(dev) - t0
-    stats.record_loop(0)
+    stats.record_loop(0, clock.span("prefill", clock.start))
 
     while True:
         Bn = pending.shape[0]
@@ -417,7 +446,7 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             K = 0  # a feature draft before its first target features: this loop is one plain target step
 
         # 1. Draft up to K tokens (k="auto": the chooser may stop earlier).
-        t = now(dev)
+        t = clock.mark()
         if K:
             stop = chooser.stopper(rows.index, K) if chooser is not None else None
             p, drafts, confs = drafter.propose(pending, pos, K, cfg, generator, stop)  # (Bn, K, V), (Bn, K)
@@ -426,16 +455,15 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             drafts = torch.zeros(Bn, 0, dtype=torch.long, device=dev)
         if chooser is not None:
             stats.k_per_loop.append(K)
-        stats.draft_s += now(dev) - t
+        t = clock.span("draft", t)
         stats.draft_calls += K
 
         # 2. Score K+1 positions with the target in one pass.
-        t = now(dev)
         block = torch.cat([pending[:, None], drafts], 1)  # (Bn, K+1)
         steps = torch.arange(K + 1, device=dev)
         logits = tgt(block, pos[:, None] + steps, torch.ones_like(block, dtype=torch.bool), K + 1).logits
         features = tap.take() if tap is not None else None
-        stats.target_s += now(dev) - t
+        clock.span("target", t)
         stats.target_calls += 1
 
         # 3. Accept or reject. Greedy (temperature 0) is the same rule on one-hot p and q: keep the drafts that
@@ -455,33 +483,34 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
                 n, nxt = torch.zeros(Bn, dtype=torch.long, device=dev), sample(q[:, 0], generator)
         if K:
             was_tested = steps[None, :K] <= n[:, None]  # (Bn, K): positions up to the first rejection were tested
-            stats.alpha_analytic_sum += float((accept * was_tested).sum())
-            for a in n.tolist():
+            analytic += (accept * was_tested).sum()
+
+        # 4. The loop's one read of the device; emit, honouring max_new_tokens and EOS per row.
+        host = torch.cat([n[:, None], nxt[:, None], drafts], 1).tolist()
+        n_host = torch.tensor([h[0] for h in host], dtype=torch.long, device="cpu")
+        done, kept = rows.emit([h[2: 2 + h[0]] + [h[1]] for h in host])
+        stats.new_tokens += kept
+        stats.record_loop(kept, clock.mark())
+        if K:
+            for a in n_host.tolist():
                 stats.record_row(a, K)
             if chooser is not None:
-                chooser.update(rows.index, n, K, confs, match.float() if cfg.greedy else  # confs: p at the drafts
+                chooser.update(rows.index, n, K, confs, match.float() if cfg.greedy else  # confs: p at drafts
                                acceptance_probability(confs, q[:, :K].gather(-1, drafts[..., None]).squeeze(-1)))
-        n_list = n.tolist()
-
-        # 4. Emit, honouring max_new_tokens and EOS per row.
-        d_rows, nxt_list = drafts.tolist(), nxt.tolist()
-        done, kept = rows.emit([d_rows[i][: n_list[i]] + [nxt_list[i]] for i in range(Bn)])
-        stats.new_tokens += kept
-        stats.record_loop(kept)
 
         # 5. Roll both caches back to the accepted prefix: the target holds pending + n accepted drafts.
-        tgt.settle(steps[None, :] <= n[:, None])
-        t = now(dev)
-        drafter.accept(n, drafts, nxt, pos, features, last=bool(done.all()))
-        stats.draft_s += now(dev) - t
+        tgt.settle(steps[None, :] <= n[:, None], torch.arange(K + 1)[None, :] <= n_host[:, None])
+        t = clock.mark()
+        drafter.accept(n, n_host, drafts, nxt, pos, features, last=all(done))
+        clock.span("draft", t)
         pos = pos + n + 1
         pending = nxt
-        if bool(done.all()):
+        if all(done):
             break
-        if bool(done.any()):
-            live = (~done).nonzero().squeeze(1)
-            rows.index, pending, pos = rows.index[live], pending[live], pos[live]
-            tgt.select(live)
-            drafter.select(live)
-    stats.total_s = now(dev) - t0
+        if any(done):
+            live, live_host = rows.keep(done)
+            pending, pos = pending[live], pos[live]
+            tgt.select(live, live_host)
+            drafter.select(live, live_host)
+    stats.finish(clock, analytic)
     return Generation(rows.tensors(dev), stats)

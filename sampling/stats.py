@@ -40,15 +40,27 @@ class GenerationStats:
     target_s: float = 0.0
     total_s: float = 0.0
     prefill_s: float = 0.0
-    loop_end_s: list[float] = field(default_factory=list)  # perf_counter at the end of each loop
+    loop_end_s: list[float] = field(default_factory=list)  # time at the end of each loop (seconds from the start)
     loop_tokens: list[int] = field(default_factory=list)  # tokens emitted in that loop (all rows)
     k_per_loop: list[int] = field(default_factory=list)  # k="auto": the K chosen before each loop
 
-    def record_loop(self, tokens: int) -> None:
-        import time
-
-        self.loop_end_s.append(time.perf_counter())
+    def record_loop(self, tokens: int, mark: int) -> None:
+        """A loop ended at `mark` (a `machine.Timeline` mark, resolved into seconds by `finish`)."""
+        self.loop_end_s.append(mark)
         self.loop_tokens.append(tokens)
+
+    def finish(self, timeline, alpha_analytic_sum=None) -> None:
+        """The times of `timeline`'s spans (`prefill`, `draft`, `target`) and loop ends, read once at the end of a
+        generation; `alpha_analytic_sum`, a device tensor summed over the loops, read then too."""
+        timeline.mark()  # the end of the generation
+        at = timeline.seconds()
+        self.prefill_s = timeline.total("prefill", at)
+        self.draft_s = timeline.total("draft", at)
+        self.target_s = timeline.total("target", at)
+        self.total_s = at[-1]
+        self.loop_end_s = [at[m] for m in self.loop_end_s]
+        if alpha_analytic_sum is not None:
+            self.alpha_analytic_sum = float(alpha_analytic_sum)
 
     def token_latencies_ms(self) -> list[float]:
         """Per emitted token: the wall time of the loop that emitted it divided by that loop's tokens (tokens of

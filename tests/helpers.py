@@ -71,3 +71,74 @@ def wandb_records(path) -> list:
             out.append(rec)
             parts = b""
     return out
+
+
+class DeviceReads:
+    """The stand-in accelerator's read-back counter: inside `with DeviceReads() as reads:`, every read of a `meta`
+    tensor's values from the host (`.tolist()`, `.item()`, `bool()`, `int()`, `float()`, `.cpu()`, `nonzero`, a
+    boolean mask index, ...), the ops that make a host wait for a CUDA device's queue, is counted in `reads.count`
+    (by name in `reads.names`) and answered with zeros of the right shape, so that a loop run on `meta` goes on
+    past it (zero tokens: every loop emits one token per row). Reads of CPU tensors (the host's own bookkeeping)
+    are not counted: they cost nothing."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy", "nonzero", "argwhere",
+             "masked_select", "unique", "repeat_interleave"}
+
+    def __init__(self, answer=None):
+        """answer(name, tensor): the value a read returns instead of zeros (None: zeros), e.g. accepted counts that
+        differ by row, so that a batch leaves holes in its caches."""
+        from collections import Counter
+
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+        self.count, self.names, self.answer, self.limit = 0, Counter(), answer, 2000
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                first = args[0] if args else None
+                on_meta = isinstance(first, torch.Tensor) and first.device.type == "meta"
+                if on_meta and name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device"))):
+                    name = "cpu"
+                bool_index = (name == "__getitem__" and on_meta and len(args) > 1 and isinstance(args[1], torch.Tensor)
+                              and args[1].dtype == torch.bool)
+                if on_meta and (name in outer.READS or bool_index):
+                    outer.count += 1
+                    if outer.count > outer.limit:  # zeros answer `done.all()` with False forever
+                        raise AssertionError(f"{outer.count} reads of the device: a loop deciding on them runs away "
+                                             f"({dict(outer.names.most_common(4))})")
+                    outer.names[name if not bool_index else "bool-index"] += 1
+                    given = outer.answer(name, first) if outer.answer is not None else None
+                    return given if given is not None else outer._fake(name if not bool_index else "bool-index", first)
+                return func(*args, **kwargs)
+
+        self._mode = Mode()
+
+    @staticmethod
+    def _fake(name, t):
+        import torch
+
+        if name == "tolist":
+            return torch.zeros(t.shape, dtype=t.dtype).tolist()
+        if name in ("item", "__int__", "__index__"):
+            return 0
+        if name == "__float__":
+            return 0.0
+        if name == "__bool__":
+            return False
+        if name in ("cpu", "numpy"):
+            z = torch.zeros(t.shape, dtype=t.dtype)
+            return z.numpy() if name == "numpy" else z
+        if name in ("nonzero", "argwhere"):
+            return torch.zeros(0, t.dim(), dtype=torch.long, device="meta")
+        return t.reshape(-1)[:0]  # the empty selection
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

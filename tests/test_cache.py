@@ -51,13 +51,13 @@ def test_compaction_keeps_each_rows_valid_slots_in_order():
     valid = torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     k, v = torch.randn(3, 2, 7, 4, generator=g), torch.randn(3, 2, 7, 4, generator=g)
     config = tiny_llama(vocab=16, layers=2, hidden=32).config
-    assert compact_cache(DynamicCache(config=config), valid) is None
+    assert compact_cache(DynamicCache(config=config), valid, 6) is None
     caches = [preallocated_cache(config, capacity=9), PreallocatedLayer(4)]  # the feature draft's; grows
     for cache in caches:
         layers = getattr(cache, "layers", None)
         for layer in layers or [cache]:
             layer.update(k.clone(), v.clone())
-        new = compact_cache(cache, valid)
+        new = compact_cache(cache, valid, 6)
         assert new.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
         for layer in layers or [cache]:
             keys, values = layer.keys, layer.values
@@ -86,7 +86,7 @@ def test_model_logits_survive_compaction_of_holes():
         assert torch.allclose(outs[0], outs[1], atol=1e-5)
         keep = torch.arange(4)[None] <= torch.tensor(accepted)[:, None]
         for dec in (plain, packed):
-            dec.settle(keep)
+            dec.settle(keep, keep)  # on a CPU the device's mask is the host's
         nxt = nxt + torch.tensor(accepted) + 1
     assert packed.compactions >= 2 and plain.compactions == 0
     assert packed.valid.shape[1] < plain.valid.shape[1]

@@ -204,7 +204,7 @@ def test_compacted_caches_stay_exact(pair, monkeypatch):
     target, draft = pair
     calls = []
     monkeypatch.setattr(spec, "HOLE_LOOPS", 0)
-    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v: calls.append(1) or compact_cache(c, v))
+    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v, n: calls.append(1) or compact_cache(c, v, n))
     prompt, budget = [1, 3], 4
     exact = target_sequences(Dist(target, SamplingConfig(0.9, 0, 1.0)), prompt, budget, None)
     g = torch.Generator().manual_seed(77)

@@ -131,7 +131,7 @@ def test_feature_draft_stays_exact_with_compacted_caches(pair, monkeypatch):
     compacted = []
     real = sampling.cache.compact_cache
     monkeypatch.setattr(spec, "HOLE_LOOPS", 0)
-    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v: compacted.append(type(c)) or real(c, v))
+    monkeypatch.setattr(sampling.cache, "compact_cache", lambda c, v, n: compacted.append(type(c)) or real(c, v, n))
     exact = target_sequences(Dist(target, SamplingConfig(0.9)), [1, 3], 4, None)
     g = torch.Generator().manual_seed(21)
     counts, stats = sample_counts(lambda ids: speculative_generate(target, draft, ids, max_new_tokens=4, k=2,
