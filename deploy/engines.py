@@ -25,7 +25,7 @@ import torch
 from draftsmith.deploy.bundle import files_sha256
 from draftsmith.sampling.feature import is_feature_dir
 from draftsmith.sampling.load import load_model
-from draftsmith.sampling.machine import cache_home, device_of, vllm_python
+from draftsmith.sampling.machine import cache_home, device_of, seeded, vllm_python
 from draftsmith.sampling.pruned import split_head
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
@@ -111,7 +111,7 @@ class DraftsmithEngine(_InProcess):
     def run(self, jobs, speculative):
         outs = []
         for job in jobs:
-            g = torch.Generator(device=device_of(self.target)).manual_seed(job.seed)
+            g = seeded(device_of(self.target), job.seed)
             tokens, seconds, drafted, accepted = [], 0.0, 0, 0
             for prompt in job.prompts:
                 rows = []

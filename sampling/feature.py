@@ -202,10 +202,10 @@ class FeatureDraft(nn.Module):
 
     def set_vocab(self, token_ids: torch.Tensor) -> None:
         """Restrict the head to `token_ids` (sorted target ids, one per head row)."""
-        ids = token_ids.to(torch.long).sort().values
+        ids = token_ids.to(device=self.d2t.device, dtype=torch.long).sort().values
         if len(ids) != self.lm_head.weight.shape[0]:
             raise ValueError(f"{len(ids)} token ids for a head of {self.lm_head.weight.shape[0]} rows")
-        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
 

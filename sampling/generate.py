@@ -15,7 +15,7 @@ import torch
 
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
-from draftsmith.sampling.machine import device_of
+from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         ids = tok(text, return_tensors="pt").input_ids
         common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, eos_token_id=tok.eos_token_id, compile=args.compile,
-                      generator=torch.Generator(device=device_of(target)).manual_seed(args.seed))
+                      generator=seeded(device_of(target), args.seed))
         if draft is None:
             gen = autoregressive_generate(target, ids, **common)
         else:

@@ -29,6 +29,14 @@ def device_of(model) -> torch.device:
     return torch.device(getattr(model, "device", "cpu"))
 
 
+def seeded(device, seed: int) -> torch.Generator:
+    """A generator seeded `seed` on `device`, where the model draws: its draws cost no copy. A device with no
+    generator of its own (`meta`, the tests' stand-in accelerator) draws on the host (`probs.uniform` moves each
+    draw there)."""
+    dev = torch.device(device)
+    return torch.Generator(device="cpu" if dev.type == "meta" else dev).manual_seed(seed)
+
+
 def now(device=None) -> float:
     """perf_counter after the device has finished its queued work: CUDA runs asynchronously, so an unsynchronised
     timer measures the launch of a kernel, not its run, and c and v(K) would be wrong on a GPU."""

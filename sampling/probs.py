@@ -95,6 +95,11 @@ def uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device
     made) drives a CUDA model too, where torch.rand would refuse it; a generator on the model's device costs no
     copy. A CPU model with a CPU generator draws exactly as before."""
     where = generator.device if generator is not None else device
+    if torch.device(where).type == "cpu" and torch.device(device).type == "cuda":
+        # a host generator for a CUDA model: drawn into pinned memory and copied without the host waiting (a plain
+        # copy to the device would wait for the device's queue at every draw)
+        draw = torch.rand(shape, generator=generator, dtype=dtype, device="cpu", pin_memory=True)
+        return draw.to(device, non_blocking=True)
     return torch.rand(shape, generator=generator, dtype=dtype, device=where).to(device)
 
 

@@ -194,3 +194,260 @@ def test_a_draw_never_lands_on_a_zero_probability_token():
         assert int(probs.sample(p, One())) == 1
     finally:
         torch.rand = real
+
+
+# -- training and reporting on the stand-in device -------------------------------------------------------------------
+# Every path that takes a model, with the model on `meta` (DRAFTSMITH_TEST_DEVICE=cuda runs them on a GPU instead:
+# scripts/gpu_check.sh): a host tensor meeting it raises there, as it would on a GPU. Reads of its values are answered
+# by `DeviceReads` (zeros), so a path runs to its end.
+import os  # noqa: E402
+
+DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "meta")
+
+
+def _models(vocab=64, hidden=32, layers=4):
+    from conftest import tiny_llama
+
+    target = tiny_llama(vocab=vocab, layers=layers, hidden=hidden, seed=0).to(DEVICE)
+    return target
+
+
+def _on(t) -> str:
+    return torch.device(t.device if isinstance(t, torch.Tensor) else next(t.parameters()).device).type
+
+
+def test_drafts_are_built_where_the_target_is():
+    """build_draft (target_init copies the target's layers), the cut-target baseline and a pruned head's rows all
+    land on the target's device: built on the host beside a target on a GPU they crashed at fit start."""
+    from draftsmith.sampling.pruned import PrunedHeadDraft
+    from draftsmith.train.build import DraftConfig, build_draft, truncated_target
+
+    target = _models()
+    draft = build_draft(target, DraftConfig(layers=2, width_ratio=1.0, init="target"))
+    assert _on(draft) == DEVICE and next(draft.parameters()).dtype == torch.float32
+    cut = truncated_target(target, 2)
+    assert _on(cut) == DEVICE and next(cut.parameters()).dtype == next(target.parameters()).dtype
+    pruned = PrunedHeadDraft(draft, torch.tensor([3, 1, 7]))  # ids from the host, as a run's token counts are
+    assert _on(pruned.head.weight) == _on(pruned.token_ids) == DEVICE
+    out = pruned(input_ids=torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
+    assert _on(out.sub_logits) == _on(out.logits) == DEVICE
+
+
+def test_a_feature_draft_is_built_where_the_target_is():
+    from draftsmith.train.feature import build_feature_draft
+
+    target = _models()
+    counts = torch.arange(64.0)
+    draft = build_feature_draft(target, draft_vocab=16, token_counts=counts,
+                                probe=torch.zeros(2, 8, dtype=torch.long))  # a host probe, as a run's blocks
+    assert _on(draft) == DEVICE and _on(draft.d2t) == DEVICE
+
+
+def test_the_feature_tap_concatenates_a_target_split_over_two_devices():
+    """target.device_map=auto puts layers on several GPUs: the tap's three states live on different devices and
+    land on the one asked for (the draft's). Layers 0-1 stay on the host, 2-3 go to the stand-in device."""
+    from conftest import tiny_llama
+
+    from draftsmith.sampling.feature import FeatureTap
+
+    target = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)
+    split = [*target.model.layers[2:], target.model.norm, target.lm_head]
+    for m in split:
+        m.to(DEVICE)
+
+        def onto(module, args, kwargs, dev=DEVICE):  # what accelerate's hooks do between a spread model's layers
+            move = lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            return tuple(map(move, args)), {k: tuple(map(move, v)) if isinstance(v, tuple) else move(v)
+                                            for k, v in kwargs.items()}
+        m.register_forward_pre_hook(onto, with_kwargs=True)
+    with FeatureTap(target, [0, 1, 3], device=DEVICE) as tap:
+        target(input_ids=torch.zeros(1, 5, dtype=torch.long))
+        feats = tap.take()
+    assert _on(feats) == DEVICE and feats.shape == (1, 5, 3 * 32)
+
+
+@pytest.mark.filterwarnings("ignore:for .* copying from a non-meta parameter")  # meta keeps no values
+def test_a_sharded_drafts_checkpoint_is_rebuilt_where_it_will_run(tmp_path):
+    from conftest import tiny_llama
+
+    from draftsmith.train.report import draft_from_checkpoint
+
+    draft = tiny_llama(vocab=64, layers=1, seed=1)
+    torch.save({"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}}, tmp_path / "last.ckpt")
+    rebuilt = draft_from_checkpoint(draft, str(tmp_path / "last.ckpt"), rebuild=True, device=DEVICE)
+    copied = draft_from_checkpoint(draft, str(tmp_path / "last.ckpt"), device=DEVICE)
+    assert _on(rebuilt) == _on(copied) == DEVICE
+
+
+@pytest.mark.parametrize("kind", ["pruned", "feature"])
+def test_a_bundles_draft_loads_back_onto_the_device(kind, tmp_path):
+    """A draft as export writes it (a pruned head's token ids beside it; a feature draft's own format), loaded onto
+    the device: the head `load_model` wraps it in is built there too."""
+    from test_feature import feature_draft
+
+    from draftsmith.sampling.load import load_model
+    from draftsmith.sampling.pruned import PrunedHeadDraft
+    from draftsmith.train.report import save_draft
+
+    tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(_tiny_random_dir())
+    if kind == "pruned":
+        from conftest import tiny_llama
+
+        save_draft(tiny_llama(vocab=len(tok), layers=1, seed=1), tok, tmp_path, head_tokens=torch.tensor([5, 2, 9]))
+    else:
+        from conftest import tiny_llama
+
+        feature_draft(tiny_llama(vocab=len(tok), layers=4, seed=0)).save_pretrained(tmp_path)
+        tok.save_pretrained(tmp_path)
+    draft = load_model(str(tmp_path), "fp32", device=DEVICE)
+    if kind == "pruned":
+        assert isinstance(draft, PrunedHeadDraft) and _on(draft.head.weight) == _on(draft.token_ids) == DEVICE
+    assert _on(draft) == DEVICE
+
+
+def _tiny_random_dir():
+    from draftsmith.sampling.load import resolve
+
+    return resolve("tiny-random")
+
+
+LOSSES = {
+    "ce": {"distill": False, "weights": {"ce": 1.0}},
+    "distill_tv": {"distill": True, "temperature": 0.8, "weights": {"tv": 1.0, "forward_kl": 1.0},
+                   "anneal": {"term": "forward_kl", "to": 0.1, "over": 0.3}},
+    "jsd": {"distill": True, "weights": {"jsd": 1.0, "reverse_kl": 0.5}},
+}
+
+
+@pytest.mark.parametrize("kind,kept,loss", [(kind, kept, loss) for kind, kept in [
+    ("independent", False), ("independent", True), ("pruned", True), ("feature", False), ("feature", True)]
+    for loss in LOSSES if not (kind == "feature" and loss == "ce")])  # a feature draft distils
+def test_a_training_step_runs_on_the_device(kind, kept, loss):
+    """The teacher pass (or the kept logits and features, read from the host store and expanded on the device),
+    the loss and the backward, for each kind of draft: every tensor the step makes meets the models' device."""
+    from test_feature import feature_draft
+
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.losses import draft_loss
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.onpolicy import Batch
+    from draftsmith.train.teacher import TeacherCache
+
+    from conftest import tiny_llama
+
+    target = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)  # built on the host, moved as Lightning moves them
+    if kind == "feature":
+        draft = feature_draft(target).requires_grad_(True).train()
+    else:
+        draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+    target.to(DEVICE), draft.to(DEVICE)
+    head = torch.tensor([0, 3, 5, 9, 11, 63]) if kind == "pruned" else None
+    B, T = 2, 10
+    cache = None
+    if kept:  # filled from records kept on the host, as a corpus sampled by the target leaves them
+        feats = 3 * 32 if kind == "feature" else 0
+        cache = TeacherCache(B, T - 1, 8, 64, columns=head, features=feats)
+        g = torch.Generator().manual_seed(0)
+        values = torch.randn(B * (T - 1), 8, generator=g).log_softmax(-1).sort(-1, descending=True).values.half()
+        index = torch.randperm(64, generator=g)[:8].repeat(B * (T - 1), 1).int()
+        src = torch.arange(B * (T - 1)).view(B, T - 1)
+        extra = {"feature_at": src, "features": torch.randn(B * (T - 1), feats, generator=g).half()} if feats else {}
+        assert cache.prefill(src, values, index, **extra) == B
+    spec = {"temperature": 1.0, "compile": False, "teacher_topk": 8 if kept else 0, **LOSSES[loss]}
+    module = DraftModule(draft, target, loss=spec, optim={"lr": 1e-3}, sampler={"temperature": 0.8}, max_steps=10,
+                         teacher_cache=cache, head_tokens=head)
+    module.to(DEVICE)
+    module.objective.to(DEVICE)
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits, tlogits, labels, weights = module.objective.train_outputs(module, Batch(ids), torch.arange(B))
+    total, _ = draft_loss(logits, labels, tlogits, spec["weights"], spec["temperature"], False, weights)
+    total.backward()
+    trained = [p for p in draft.parameters() if p.requires_grad]
+    assert _on(total) == DEVICE and all(p.grad is not None and _on(p.grad) == DEVICE for p in trained)
+
+
+@pytest.mark.parametrize("on_target", [False, True])
+def test_fit_start_measures_on_the_device(on_target):
+    """The acceptance callback's set-up (the target's own samples, the draft's cost c in the target's dtype, a
+    pruned head's copy) with the target on the device, fed prompts from the host."""
+    from helpers import DeviceReads
+
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.callbacks import AcceptanceCallback
+    from draftsmith.train.module import DraftModule
+
+    class Tok:
+        eos_token_id = 0
+
+    from conftest import tiny_llama
+
+    target = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)
+    draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+    target.to(DEVICE)  # the draft goes where Lightning moves the module, below
+    module = DraftModule(draft, target, loss={"distill": True, "weights": {"tv": 1.0}}, optim={"lr": 1e-3},
+                         sampler={"temperature": 0.8}, max_steps=10, head_tokens=torch.tensor([1, 2, 3, 4]))
+    prompts = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    cb = AcceptanceCallback(prompts, torch.ones_like(prompts), Tok(), k=2, temperature=0.8, top_p=0.95,
+                            max_new_tokens=4, on_target_prompts=(prompts, torch.ones_like(prompts)) if on_target
+                            else None, on_target_tokens=4)
+
+    class Trainer:
+        is_global_zero, world_size = True, 1
+
+    module._device = torch.device(DEVICE)  # where Lightning would have moved it
+    module.draft.to(DEVICE)
+    with DeviceReads():
+        cb.on_fit_start(Trainer(), module)
+    assert cb.cost is not None and (not on_target or _on(cb.on_target.ids) == DEVICE)
+
+
+def test_kept_logits_are_expanded_on_the_device_and_only_the_top_k_crosses(tmp_path):
+    """A (B, P, V) teacher built on the host at every step, then copied over, costs a host pass and a copy of the
+    vocabulary's width per position; kept top-k records are what crosses, expanded where the draft is. Recorded on
+    the CPU: no tensor of the vocabulary's width is made on the host, and the sampling corpus' loop moves only
+    (rows, k) to the host."""
+    from conftest import tiny_llama
+    from torch.overrides import TorchFunctionMode
+
+    from draftsmith.train.generation import own_batches
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.onpolicy import Batch
+    from draftsmith.train.teacher import TeacherCache
+
+    V, B, P = 64, 2, 9
+
+    class HostTensors(TorchFunctionMode):
+        """Every tensor a torch call returns on the host with the vocabulary's width, and every .cpu() of one."""
+        def __init__(self):
+            super().__init__()
+            self.wide = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            if name == "cpu" and args[0].shape[-1:] == (V,):
+                self.wide.append(f"cpu {tuple(args[0].shape)}")
+            if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dim() == 3 and out.shape[-1] == V:
+                self.wide.append(f"{name} {tuple(out.shape)}")
+            return out
+
+    target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0).to(DEVICE)
+    draft = tiny_llama(vocab=V, layers=1, hidden=32, seed=1).requires_grad_(True).to(DEVICE)
+    cache = TeacherCache(B, P, 8, V)
+    src = torch.arange(B * P).view(B, P)
+    values = torch.randn(B * P, 8).log_softmax(-1).sort(-1, descending=True).values.half()
+    assert cache.prefill(src, values, torch.arange(8).repeat(B * P, 1).int()) == B
+    module = DraftModule(draft, target, loss={"distill": True, "weights": {"tv": 1.0}, "compile": False},
+                         optim={"lr": 1e-3}, sampler={"temperature": 1.0}, max_steps=1, teacher_cache=cache)
+    module.to(DEVICE)
+    ids = torch.randint(0, V, (B, P + 1)).to(DEVICE)
+    with HostTensors() as seen:
+        _, tlogits, _, _ = module.objective.train_outputs(module, Batch(ids), torch.arange(B))
+    assert _on(tlogits) == DEVICE and not seen.wide, seen.wide
+
+    host = tiny_llama(vocab=V, layers=2, hidden=32, seed=0)  # the corpus loop, on the host: what it moves over
+    with HostTensors() as seen:
+        for _ in own_batches(host, [[1, 2, 3], [4, 5]], 2, seed=0, first_row=0, max_new_tokens=3, temperature=1.0,
+                             top_p=1.0, eos=None, keep_logits=4):
+            pass
+    assert not [w for w in seen.wide if w.startswith("cpu")], seen.wide

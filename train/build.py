@@ -117,6 +117,8 @@ class TargetWeights:
             return None
         return cls(path, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
+    device = torch.device("cpu")  # the files are read into host memory
+
     def new_model(self, config):
         from transformers import AutoModelForCausalLM
 
@@ -137,10 +139,14 @@ class TargetWeights:
 
 
 def build_draft(target, cfg: DraftConfig):
-    """A draft model for `target` (a loaded HF causal LM, or its `TargetWeights`), initialised per `cfg.init`."""
+    """A draft model for `target` (a loaded HF causal LM, or its `TargetWeights`), initialised per `cfg.init`, in
+    fp32 on the target's device: the target's tensors it copies never cross to the host and back (a copy from a GPU
+    target into a host draft is a host round trip per tensor, and the draft would then sit on the host beside a
+    target on the GPU)."""
     config = draft_config_for(target.config, cfg)
     torch.manual_seed(0)
-    draft = (target.new_model(config) if isinstance(target, TargetWeights) else type(target)(config)).float()
+    with torch.device(target.device):
+        draft = (target.new_model(config) if isinstance(target, TargetWeights) else type(target)(config)).float()
     if cfg.init == "target":
         n_t, n_d = target.config.num_hidden_layers, config.num_hidden_layers
         # Default: the first layers and the last one; the last target layer produces the residual the (shared)
@@ -190,6 +196,8 @@ def _load_weights(draft, path: str) -> None:
 
 
 def truncated_target(target, layers: int):
-    """The naive baseline: the target's first `layers` layers + final norm + head, no training."""
-    return build_draft(target, DraftConfig(layers=layers, width_ratio=1.0, init="target",
-                                           init_layers=list(range(layers))))
+    """The naive baseline: the target's first `layers` layers + final norm + head, no training; where the target is
+    and in its dtype, as the sampler runs it beside the target."""
+    cut = build_draft(target, DraftConfig(layers=layers, width_ratio=1.0, init="target",
+                                          init_layers=list(range(layers))))
+    return cut.to(target.dtype).eval().requires_grad_(False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from pathlib import Path
 
@@ -14,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cost import expected_tokens_per_call, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.machine import atomic_path
+from draftsmith.sampling.machine import atomic_path, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.sampling.pruned import PrunedHeadDraft
 from draftsmith.train.evaluate import alpha_on_samples, target_samples
 from draftsmith.train.onpolicy import Batch
 from draftsmith.train.rundir import sharded
@@ -40,6 +40,19 @@ def whole(module):
 
         with FullyShardedDataParallel.summon_full_params(module.trainer.strategy.model, writeback=False):
             yield
+
+
+def standalone(draft, dtype):
+    """A copy of `draft` (whole: inside `whole`) in `dtype`, made of plain tensors: under ZeRO-3 a deep copy would
+    also copy DeepSpeed's hooks and shard bookkeeping, and the copy's forward would then fetch shards it does not
+    own. Rebuilt from its config on its device and given the weights; a pruned head keeps its rows."""
+    if isinstance(draft, PrunedHeadDraft):
+        return PrunedHeadDraft(standalone(draft.draft, dtype), draft.token_ids).eval()
+    state = {k: v.detach() for k, v in draft.state_dict().items()}
+    with torch.device(device_of(draft)):
+        out = type(draft)(draft.config)
+    out.load_state_dict(state)
+    return out.to(dtype).eval().requires_grad_(False)
 
 
 class AcceptanceCallback(L.Callback):
@@ -93,7 +106,7 @@ class AcceptanceCallback(L.Callback):
         if self.measure_cost and self.cost is None:
             # c depends on the draft's shape, not its weights: measure once, in the target's dtype.
             with whole(module):  # collective: every rank enters, the ranks that measure copy
-                draft = copy.deepcopy(module.sampling_draft()).to(module.target.dtype).eval() if here else None
+                draft = standalone(module.sampling_draft(), module.target.dtype) if here else None
             if here:
                 self.cost = measure_costs(module.target, draft, ks=(self.k,), reps=7, compile=self.compile)
             del draft
@@ -136,7 +149,7 @@ class AcceptanceCallback(L.Callback):
         draft = module.sampling_draft()
         gen = speculative_generate(module.target, draft, ids, attention_mask=mask,
                                    max_new_tokens=self.max_new_tokens, k=self.k, compile=self.compile,
-                                   generator=torch.Generator(device=dev).manual_seed(self.seed), **self.sampling)
+                                   generator=seeded(dev, self.seed), **self.sampling)
         s = gen.stats
         metrics = {"val/alpha": s.alpha or 0.0, "val/tokens_per_call": s.tokens_per_call,
                    "val/alpha_sampled_analytic": s.alpha_analytic or 0.0}
@@ -160,7 +173,7 @@ class AcceptanceCallback(L.Callback):
         own = None
         if not is_feature_draft(draft):  # a feature draft cannot write alone: it reads the target's features
             own = autoregressive_generate(draft, ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
-                                          generator=torch.Generator(device=module.device).manual_seed(self.seed),
+                                          generator=seeded(module.device, self.seed),
                                           **self.sampling)
         rows = []
         for i in range(n):

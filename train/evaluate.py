@@ -6,7 +6,7 @@ import torch
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.machine import device_of
+from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
 from draftsmith.sampling.rejection import teacher_forced_acceptance
@@ -32,7 +32,7 @@ def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperat
     ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, prompts))
     gen = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=max_new_tokens, k=k,
                                temperature=temperature, top_p=top_p, top_k=top_k,
-                               generator=torch.Generator(device=device_of(target)).manual_seed(seed))
+                               generator=seeded(device_of(target), seed))
     s = gen.stats
     out = {"alpha": s.alpha, "alpha_analytic": s.alpha_analytic, "tokens_per_call": s.tokens_per_call,
            "acceptance_by_position": s.acceptance_by_position, "prompts": len(prompts), "new_tokens": s.new_tokens}
@@ -52,7 +52,7 @@ def target_samples(target, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, 
     (left padding and the tail after an early EOS are 0), loss_mask on the sampled tokens (EOS included)."""
     gen = autoregressive_generate(target, prompts, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id,
-                                  generator=torch.Generator(device=device_of(target)).manual_seed(seed))
+                                  generator=seeded(device_of(target), seed))
     B, P = prompts.shape
     ids = torch.full((B, P + max_new_tokens), pad_token_id, dtype=torch.long, device=prompts.device)
     mask = torch.zeros_like(ids)

@@ -26,7 +26,9 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
     at unit scale, measured on `probe` (token ids, (B, T); None: random tokens). Parameters and head printed."""
     cfg = FeatureConfig.for_target(target.config, feature_layers, draft_vocab)
     torch.manual_seed(0)
-    draft = FeatureDraft(cfg).float()
+    dev = target.get_input_embeddings().weight.device  # where it copies from: no tensor crosses to the host
+    with torch.device(dev):
+        draft = FeatureDraft(cfg).float()
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
         draft.norm.weight.copy_(target.get_decoder().norm.weight.float())
@@ -34,7 +36,7 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         if draft_vocab:
             if token_counts is None:
                 raise ValueError("draft.draft_vocab needs the corpus' token counts to choose the head's tokens")
-            draft.set_vocab(token_counts.topk(draft_vocab).indices)
+            draft.set_vocab(token_counts.topk(draft_vocab).indices.to(dev))
         draft.lm_head.weight.copy_(head[draft.token_ids()])
         # The target's hidden states are large (SmolLM2-135M, entering layer 27: median RMS 23 per token, 2e4 at the
         # first one), so a default fc fed the residual a random vector of RMS ~30 to which the new layer added
@@ -43,7 +45,7 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         # val/alpha_on_target 0.297 -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313).
         H = cfg.target_hidden_size
         draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * H:] = torch.eye(H) / _top_feature_scale(target, cfg.feature_layers, probe)
+        draft.fc.weight[:, 2 * H:] = torch.eye(H, device=dev) / _top_feature_scale(target, cfg.feature_layers, probe)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(not freeze_head)
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -54,20 +56,22 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
 
 
 def _top_feature_scale(target, layers: list[int], probe: torch.Tensor | None) -> torch.Tensor:
-    """Median per-token RMS, on `probe`, of the highest of the draft's features (the last block `fc` reads)."""
+    """Median per-token RMS, on `probe`, of the highest of the draft's features (the last block `fc` reads), on the
+    target's device (a 0-d tensor: reading it back would stop at the device)."""
     if probe is None:
         g = torch.Generator(device="cpu").manual_seed(0)  # the same probe on any device; moved to the target
         probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=g, device="cpu")
     with FeatureTap(target, layers) as tap:
         target(input_ids=probe.to(target.device))
         top = tap.take()[..., 2 * target.config.hidden_size:].float()
-    return top.pow(2).mean(-1).sqrt().median().clamp_min(1e-6).cpu()
+    return top.pow(2).mean(-1).sqrt().median().clamp_min(1e-6)
 
 
 @dataclass
 class FeatureBatch:
     """What one teacher pass gives the feature draft: its inputs (tokens, features, positions, slot mask) and
-    the target's logits for what each slot predicts; `keep` (B, T-2) marks the slots with a real label."""
+    the target's logits for what each slot predicts; `keep` (B, T-2) marks the slots with a real label (None:
+    all)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
@@ -75,14 +79,14 @@ class FeatureBatch:
     mask: torch.Tensor | None
     teacher: torch.Tensor
     labels: torch.Tensor
-    keep: torch.Tensor
-    known: torch.Tensor | None = None  # (B, T-2): slots whose feature and teacher were kept (None: all)
-    rooted: torch.Tensor | None = None  # (B, T-2): slots whose feature was kept (None: all)
+    keep: torch.Tensor | None
+    known: torch.Tensor | None = None  # (B, T-2) on the host: slots whose feature and teacher were kept (None: all)
+    rooted: torch.Tensor | None = None  # (B, T-2) on the host: slots whose feature was kept (None: all)
 
 
 def target_outputs(target, layers: list[int], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits and features (B, T-1, V) and (B, T-1, 3 H) at every position but the last."""
-    with torch.no_grad(), FeatureTap(target, layers) as tap:
+    with torch.no_grad(), FeatureTap(target, layers, device=b.ids.device) as tap:
         pos = b.positions()
         logits = target(input_ids=b.ids[:, :-1], attention_mask=None if b.mask is None else b.mask[:, :-1],
                         position_ids=None if pos is None else pos[:, :-1]).logits
@@ -103,16 +107,17 @@ def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor, known: to
     pos = b.positions()
     if pos is None:
         pos = torch.arange(T, device=b.ids.device)[None].expand(b.ids.shape[0], T)
-    keep = torch.ones(b.ids.shape[0], T - 2, dtype=torch.bool, device=b.ids.device)
-    if b.loss_mask is not None:
-        keep = b.loss_mask[:, 1:]  # the label of slot j is x_{j+2}: loss_mask index j+1
+    # the label of slot j is x_{j+2}: loss_mask index j+1; None: every slot has one (its slots are then counted
+    # without reading the device)
+    keep = None if b.loss_mask is None else b.loss_mask[:, 1:]
     mask = None if b.mask is None else b.mask[:, : T - 2]
     ok = rooted = None
-    if known is not None or known_features is not None:
-        dev = b.ids.device
-        rooted = torch.ones_like(keep) if known_features is None else known_features[:, : T - 2].to(dev)
-        ok = rooted if known is None else rooted & known[:, 1:].to(dev)
-        mask = rooted if mask is None else mask.bool() & rooted
+    if known is not None or known_features is not None:  # the store's flags, on the host
+        rooted = (torch.ones(b.ids.shape[0], T - 2, dtype=torch.bool) if known_features is None
+                  else known_features[:, : T - 2].cpu())
+        ok = rooted if known is None else rooted & known[:, 1:].cpu()
+        on_device = rooted.to(b.ids.device)
+        mask = on_device if mask is None else mask.bool() & on_device
     return FeatureBatch(tokens=b.ids[:, 1:-1], features=feats[:, :-1], positions=pos[:, : T - 2], mask=mask,
                         teacher=logits[:, 1:], labels=b.ids[:, 2:], keep=keep, known=ok, rooted=rooted)
 
@@ -147,7 +152,7 @@ def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
     teacher = fb.teacher  # kept logits come over the head's tokens already; fresh ones once, not per step
     if vocab is not None and teacher.shape[-1] != len(vocab):
         teacher = teacher[..., vocab]
-    idx = [_slots(fb.keep, s) for s in range(steps)]
+    idx = [_slots(fb.keep, s, fb.labels) for s in range(steps)]
     hidden = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, i) for h, i in zip(outs, idx)])
     lp = draft.lm_head(draft.norm(hidden))
     flat = torch.cat(idx)
@@ -157,12 +162,14 @@ def unrolled(draft: FeatureDraft, fb: FeatureBatch, steps: int):
         # step s at slot j drafts on from the features at j - s .. j; where the target kept no teacher or one of
         # them, the draft's own detached logits stand in (divergence and gradient 0) and the label is ignored, so
         # the batch keeps its shape (the compiled loss would recompile on every new count of slots)
+        # (decided on the host, where the store's flags live: no read of the device)
+        keep = None if fb.keep is None else fb.keep.cpu()
         ok, good = fb.known.clone(), []
-        for s, i in enumerate(idx):
+        for s in range(len(idx)):
             if s:
                 ok[:, s:] &= fb.rooted[:, : ok.shape[1] - s]
-            good.append(ok.reshape(-1)[i])
-        bad = (~torch.cat(good)).nonzero().squeeze(1)
+            good.append(ok.reshape(-1)[_slots(keep, s, ok)])
+        bad = (~torch.cat(good)).nonzero().squeeze(1).to(lq.device)
         lq[bad] = lp.detach()[bad].to(lq.dtype)
         lab[bad] = -100
     return lp, lq, lab, [len(i) for i in idx]
@@ -183,12 +190,17 @@ def feature_alpha(target, draft: FeatureDraft, b: Batch, cfg: SamplingConfig, st
     return out
 
 
-def _slots(keep: torch.Tensor, s: int) -> torch.Tensor:
-    """Flat indices of the slots step s is scored on: a real label, and j >= s (a history of s own steps)."""
+def _slots(keep: torch.Tensor | None, s: int, labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the slots (`labels`' (B, n)) step s is scored on: a real label (`keep`; None: every slot),
+    and j >= s (a history of s own steps). With every slot kept (training) they follow from the shape alone: no
+    read of the device."""
+    if keep is None:
+        (B, n), dev = labels.shape, labels.device
+        return (torch.arange(B, device=dev)[:, None] * n + torch.arange(s, n, device=dev)[None]).reshape(-1)
     keep = keep.clone()
     keep[:, :s] = False
     return keep.reshape(-1).nonzero().squeeze(1)
 
 
 def _full_teacher(fb: FeatureBatch, s: int):
-    return fb.teacher.reshape(-1, fb.teacher.shape[-1]).index_select(0, _slots(fb.keep, s))
+    return fb.teacher.reshape(-1, fb.teacher.shape[-1]).index_select(0, _slots(fb.keep, s, fb.labels))

@@ -61,12 +61,13 @@ def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, fi
         kept, prompt_features = [], []  # per step: (rows still decoding, top-k log-probs, ids[, features])
 
         def keep(step_rows, logits):
-            step = (step_rows.cpu(), *top_logprobs(logits.cpu(), keep_logits))
+            # the top-k on the device: only (rows, k) values cross to the host, not the (rows, V) logits
+            step = (step_rows, *(t.cpu() for t in top_logprobs(logits, keep_logits)))
             if tap is not None:
                 feats = tap.take()
                 if not prompt_features:  # the prefill: every prompt position; its last is step 0's
                     prompt_features.append(feats[:, :-1].cpu())
-                step += (half_features(feats[:, -1]).cpu(),)
+                step += (half_features(feats[:, -1]),)
             kept.append(step)
 
         t0 = time.perf_counter()
@@ -102,11 +103,12 @@ def teacher_batches(target, rows: list[list[int]], completions: list[list[int]],
             feats = tap.take() if tap is not None else None
         # completion token t of a row is drawn from the logits at the position before it
         at = [torch.arange(width - len(c) - 1, width - 1) for c in comp]
-        values, index = top_logprobs(torch.cat([logits[r, a].cpu() for r, a in enumerate(at)]), keep_logits)
+        values, index = (t.cpu() for t in top_logprobs(torch.cat([logits[r, a.to(dev)] for r, a in enumerate(at)]),
+                                                        keep_logits))  # the top-k on the device: k of V cross
         record = {"values": values, "index": index, "steps": torch.tensor([len(c) for c in comp]),
                   "tokens": torch.tensor([t for c in comp for t in c], dtype=torch.long)}
         if feats is not None:  # each row's positions but its last: the prompt's, then one per completion token
-            per_row = [half_features(feats[r, width - len(x): width - 1].cpu()) for r, x in enumerate(seqs)]
+            per_row = [half_features(feats[r, width - len(x): width - 1]) for r, x in enumerate(seqs)]
             record["features"], record["layers"] = torch.cat(per_row), torch.tensor(keep_features)
             record["positions"] = torch.tensor([len(f) for f in per_row])
         yield start, chunk, comp, record if keep_logits else None, time.perf_counter() - t0

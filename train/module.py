@@ -13,7 +13,8 @@ from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.losses import draft_loss
 from draftsmith.train.objective import FeatureObjective, IndependentObjective
-from draftsmith.train.onpolicy import Batch, OnPolicy
+from draftsmith.train.onpolicy import Batch, HeadRows, OnPolicy
+from draftsmith.train.rundir import partitioned
 from draftsmith.train.teacher import TeacherCache
 
 
@@ -47,6 +48,9 @@ class DraftModule(L.LightningModule):
         # the kind of draft in one object: what a batch trains it on and what validation measures
         self.objective = (FeatureObjective(unroll, step_decay, feature_noise) if is_feature_draft(draft)
                           else IndependentObjective(draft, head_tokens))
+        # a pruned head's rows, computed in a forward of their own (registered here, so that DeepSpeed hooks it)
+        self.head_rows = None if head_tokens is None else HeadRows(draft, head_tokens)
+        self._skip_step = False
 
     @property
     def target(self):
@@ -72,18 +76,32 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self):
         self.place_target()
         self.objective.to(self.device)
+        if self.on_policy is not None:  # every rank its own samples, not the same ones world_size times
+            self.on_policy.seed_rank(self.global_rank)
+        if self.head_rows is not None and partitioned(self.draft):
+            if self.on_policy is not None:  # the sampler's pruned head copies the head's rows, an empty shard here
+                raise ValueError("data.on_policy_fraction > 0 with a pruned head (draft.draft_vocab) cannot run under "
+                                 "ZeRO-3, whose head is sharded outside its forward: use trainer=deepspeed_stage_2 or "
+                                 "fsdp, or draft.draft_vocab=null")
+            import deepspeed
+
+            # ZeRO-3: the head's weight is an empty shard outside its owner's forward; DeepSpeed gathers it for
+            # `head_rows`' forward once told that module reads it
+            deepspeed.zero.register_external_parameter(self.head_rows, self.draft.get_output_embeddings().weight)
 
     def sampling_draft(self):
         """The draft as the sampler runs it: with its pruned head when it is trained with one."""
         return self.objective.sampling_draft(self.draft)
 
-    def kept_outputs(self, b: Batch, rows: torch.Tensor, teacher):
-        """(logits, features or None) of blocks `rows` from the teacher cache; `teacher(sub_batch)` runs the target
-        on the rows it has not seen yet."""
+    def kept_outputs(self, b: Batch, rows: torch.Tensor, teacher, dtype=torch.float32):
+        """(logits, features or None) of blocks `rows` from the teacher cache, on this module's device in `dtype`
+        (the draft's logits'); `teacher(sub_batch)` runs the target on the rows it has not seen yet (chosen on the
+        host: the cache knows which)."""
         cache = self.teacher_cache
-        logits, feats = cache.outputs(rows, lambda miss: teacher(Batch(b.ids[miss.to(b.ids.device)])))
+        logits, feats = cache.outputs(rows, lambda miss: teacher(Batch(b.ids[miss.nonzero().squeeze(1).to(
+            b.ids.device)])), self.device, dtype)
         self.log("train/teacher_cache_hit_rate", cache.hit_rate)
-        return logits.to(self.device), None if feats is None else feats.to(self.device)
+        return logits, feats
 
     def _progress(self) -> float:
         """Fraction of training done: by steps, or by wall time when `trainer.max_time` bounds the run (so a
@@ -114,7 +132,7 @@ class DraftModule(L.LightningModule):
         logits, tlogits, labels, row_weights = self.objective.train_outputs(self, b, rows)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
                                   self.loss_cfg.get("compile", True), row_weights)
-        if not bool(torch.isfinite(total)):  # skip the step (no backward, no update); stop if it keeps happening
+        if not self._all_finite(total):  # skip the step on every rank alike; stop if it keeps happening
             self.nonfinite_steps += 1
             self._nonfinite_run += 1
             self.log("train/nonfinite_steps", float(self.nonfinite_steps))
@@ -122,7 +140,13 @@ class DraftModule(L.LightningModule):
                 raise FloatingPointError(
                     f"the loss was NaN or Inf for {self._nonfinite_run} steps in a row (step {self.global_step}): "
                     "stopping before a poisoned checkpoint is saved; lower optim.lr or check the data")
-            return None
+            if self.trainer.world_size == 1:
+                return None  # Lightning skips backward and update
+            # with several ranks Lightning refuses None, and a rank that skipped its backward would leave the others
+            # waiting in the gradient all-reduce: every rank runs a backward of zeros, and the update is dropped
+            # (`on_before_optimizer_step`)
+            self._skip_step = True
+            return sum(p.sum() for p in self.draft.parameters() if p.requires_grad) * 0.0
         self._nonfinite_run = 0
         self.log("train/loss", total, prog_bar=True)
         for k, v in parts.items():
@@ -134,6 +158,24 @@ class DraftModule(L.LightningModule):
         self._t_last = now
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank: one flag reduced over the ranks (one read per step, which the
+        step's logging pays anyway), so that every rank takes the same branch."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.world_size > 1:
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        return not bool(bad)
+
+    def on_before_optimizer_step(self, optimizer):
+        """A step skipped on every rank (a non-finite loss somewhere): its gradients (zeros) are dropped, and the
+        optimizer passes over parameters without one, so no moment or weight moves. Under DeepSpeed the engine owns
+        the gradients and steps with the zeros (its moments decay once)."""
+        if self._skip_step:
+            self._skip_step = False
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
 
     def on_validation_epoch_end(self):
         self._t_last = None  # the next step's throughput must not include validation time

@@ -42,8 +42,8 @@ class IndependentObjective:
         return draft if self.head_tokens is None else PrunedHeadDraft(draft, self.head_tokens)
 
     def train_outputs(self, m, b: Batch, rows: torch.Tensor | None):
-        logits = b.logits(m.draft, self.head_tokens)  # (B, T-1, V), or (B, T-1, N) over a pruned head's tokens
-        tlogits = self._target_logits(m, b, rows)
+        logits = b.logits(m.draft, m.head_rows)  # (B, T-1, V), or (B, T-1, N) over a pruned head's tokens
+        tlogits = self._target_logits(m, b, rows, logits.dtype)
         V = logits.shape[-1]
         logits, labels = logits.reshape(-1, V), b.ids[:, 1:].reshape(-1)
         if self.head_tokens is not None:
@@ -55,9 +55,9 @@ class IndependentObjective:
             # draft's own detached logits stand in, so every divergence and its gradient is 0 there, and the
             # batch keeps its shape (the compiled loss would recompile on every new count of kept positions)
             # (in place, on those rows only: a where over all of them copied two (N, V) tensors every step)
-            at = unknown.nonzero().squeeze(1)
+            at = unknown.nonzero().squeeze(1).to(logits.device)  # found on the host, where the cache knows them
             tlogits[at] = logits.detach()[at].to(tlogits.dtype)
-            labels = labels.masked_fill(unknown, -100)
+            labels = labels.index_fill(0, at, -100)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
             logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)
@@ -67,7 +67,7 @@ class IndependentObjective:
     def _head_columns(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.head_tokens is None else logits.index_select(-1, self.head_tokens)
 
-    def _target_logits(self, m, b: Batch, rows: torch.Tensor | None):
+    def _target_logits(self, m, b: Batch, rows: torch.Tensor | None, dtype=torch.float32):
         if not m.distill:
             return None
         with torch.no_grad():  # not inference_mode: its tensors would need a full-vocab copy to enter autograd
@@ -78,11 +78,13 @@ class IndependentObjective:
             parts = [] if n == 0 else [self._head_columns(Batch(
                 b.ids[:n], None if b.mask is None else b.mask[:n]).logits(m.target))]
             if n < len(b.ids):
-                parts.append(m.kept_outputs(Batch(b.ids[n:]), rows[n:], lambda sub: (sub.logits(m.target), None))[0])
+                parts.append(m.kept_outputs(Batch(b.ids[n:]), rows[n:], lambda sub: (sub.logits(m.target), None),
+                                            dtype)[0])
             return torch.cat(parts)
 
     def _unknown(self, m, b: Batch, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """(B (T-1),) bool: label positions of kept blocks that have no teacher (train/teacher.py `known`)."""
+        """(B (T-1),) bool, on the host: label positions of kept blocks that have no teacher (train/teacher.py
+        `known`)."""
         if m.teacher_cache is None or rows is None:
             return None
         known = m.teacher_cache.known_rows(rows[b.sampled:])
@@ -90,7 +92,7 @@ class IndependentObjective:
             return None
         unknown = torch.zeros(b.ids.shape[0], b.ids.shape[1] - 1, dtype=torch.bool)
         unknown[b.sampled:] = ~known
-        return unknown.reshape(-1).to(m.device)
+        return unknown.reshape(-1)
 
     def validate(self, m, ids: torch.Tensor) -> dict:
         """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.sampling import autoregressive_generate
+from draftsmith.sampling.machine import seeded
 
 
 @dataclass
@@ -34,16 +35,31 @@ class Batch:
             return None
         return (self.mask.long().cumsum(1) - 1).clamp_min(0)
 
-    def logits(self, model, head_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, model, head: HeadRows | None = None) -> torch.Tensor:
         """(B, T-1, V) logits at every position but the last (whose prediction has no label), padding-aware;
-        (B, T-1, N) over `head_tokens` only when given (a pruned head: the other rows are never computed)."""
+        (B, T-1, N) over a pruned head's rows when `head` is given (the other rows are never computed)."""
         pos = self.positions()
         kw = dict(input_ids=self.ids[:, :-1], attention_mask=None if self.mask is None else self.mask[:, :-1],
                   position_ids=None if pos is None else pos[:, :-1])
-        if head_tokens is None:
+        if head is None:
             return model(**kw).logits
-        head = model.get_output_embeddings().weight.index_select(0, head_tokens)
-        return torch.nn.functional.linear(model.model(**kw).last_hidden_state, head)
+        return head(model.model(**kw).last_hidden_state)
+
+
+class HeadRows(torch.nn.Module):
+    """The rows `token_ids` of a model's output head, as a linear layer computed in this module's own forward.
+    Under ZeRO-3 a weight read outside its owner's forward is an empty shard: DeepSpeed gathers it for this forward
+    once it is registered as this module's external parameter (`DraftModule.on_fit_start`). Holds no weight of its
+    own: the model's head stays the one trained and saved."""
+
+    def __init__(self, model, token_ids: torch.Tensor):
+        super().__init__()
+        self._model = [model]  # a list: not a submodule, its weights are the draft's
+        self.register_buffer("token_ids", token_ids.to(torch.long), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self._model[0].get_output_embeddings().weight
+        return torch.nn.functional.linear(hidden, weight.index_select(0, self.token_ids))
 
 
 class OnPolicy:
@@ -64,9 +80,15 @@ class OnPolicy:
             raise ValueError(f"data.on_policy_from must be in [0, 1), got {start}")
         self.fraction, self.prompts, self.buffer, self.start = fraction, prompts, buffer, start
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # picks rows and seeds: host-side
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # sampled (ids, mask) rows not yet trained on
         self.sampled_rows = 0
+
+    def seed_rank(self, rank: int) -> None:
+        """Every rank its own stream of prompts and samples (rank 0 keeps the seed's): with one seed everywhere,
+        each rank would sample the same rows, and data parallelism would train on one rank's samples N times."""
+        self.generator.manual_seed(self.seed + 1_000_003 * rank)
 
     def rows(self, batch_size: int) -> int:
         return int(round(self.fraction * batch_size))
@@ -82,8 +104,7 @@ class OnPolicy:
                              "lower data.prompt_tokens or raise data.block_size")
         was_training = draft.training
         draft.eval()
-        g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator,
-                                                                  device="cpu")))
+        g = seeded(device, int(torch.randint(0, 2**62, (1,), generator=self.generator, device="cpu")))
         gen = autoregressive_generate(draft, prompt, attention_mask=pmask, max_new_tokens=T - P, generator=g,
                                       **self.sampling)
         draft.train(was_training)

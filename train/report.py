@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
+from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
 from draftsmith.train.build import truncated_target
@@ -17,11 +18,16 @@ from draftsmith.train.evaluate import acceptance_by_set
 from draftsmith.train.rundir import checkpoint_state, sharded
 
 
-def draft_from_checkpoint(draft, ckpt_path: str, rebuild: bool = False):
+def draft_from_checkpoint(draft, ckpt_path: str, rebuild: bool = False, device=None):
     """A copy of `draft` with the weights of a training checkpoint (`checkpoint_state`: a Lightning file or a
-    DeepSpeed directory); a draft whose parameters ZeRO-3 or FSDP split (`rebuild`) is rebuilt from its config."""
+    DeepSpeed directory), on `device` (default: the draft's); a draft whose parameters ZeRO-3 or FSDP split
+    (`rebuild`) is rebuilt from its config there (its shards' device says nothing of where it will run)."""
     state = checkpoint_state(ckpt_path)
-    out = type(draft)(draft.config) if rebuild else copy.deepcopy(draft)
+    if rebuild:
+        with torch.device(device or "cpu"):
+            out = type(draft)(draft.config)
+    else:
+        out = copy.deepcopy(draft).to(device or device_of(draft))
     out.load_state_dict({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")})
     return out.eval()
 
@@ -62,7 +68,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
     t0 = time.time()
     last = module.draft.eval()
     if sharded(module):  # ZeRO-3 or FSDP: this rank holds a shard; the last checkpoint holds it whole
-        last = draft_from_checkpoint(last, last_path, rebuild=True)
+        last = draft_from_checkpoint(last, last_path, rebuild=True, device=device_of(target))
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
     head = module.head_tokens
@@ -72,7 +78,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         best, last = PrunedHeadDraft(best, head).eval(), PrunedHeadDraft(last, head).eval()
     drafts = {"best": best, "last": last}
     if cfg.eval.baseline:
-        drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers).to(target.dtype)
+        drafts["baseline_cut_target"] = truncated_target(target, best.config.num_hidden_layers)
     # c measured again now, on the best draft in the target's dtype, with no trainer or logger starting up beside
     # it (the measurement at fit start shares the CPU with them).
     cost_draft = copy.deepcopy(best).to(target.dtype)

@@ -143,32 +143,42 @@ class TeacherCache:
         self.filled[rows[ok]] = True
         return int(ok.sum())
 
-    def logits(self, rows: torch.Tensor, teacher) -> torch.Tensor:
-        """(B, positions, V or N columns) float32 logits (log-probabilities) of the blocks `rows`; `teacher(mask)`
-        gives the target's logits (m, positions, V) of the batch rows `mask` selects, called for unseen blocks only."""
-        return self.outputs(rows, lambda miss: (teacher(miss), None))[0]
+    def logits(self, rows: torch.Tensor, teacher, device=None, dtype=torch.float32) -> torch.Tensor:
+        """(B, positions, V or N columns) logits (log-probabilities) of the blocks `rows`, on `device` in `dtype`;
+        `teacher(mask)` gives the target's logits (m, positions, V) of the batch rows `mask` selects, called for
+        unseen blocks only."""
+        return self.outputs(rows, lambda miss: (teacher(miss), None), device, dtype)[0]
 
-    def outputs(self, rows: torch.Tensor, teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits as `logits` gives them, float32 features (B, positions, F) or None); `teacher(mask)` gives the
-        target's (logits, features) of the batch rows `mask` selects, called for unseen blocks only."""
+    def outputs(self, rows: torch.Tensor, teacher, device=None, dtype=torch.float32):
+        """(logits as `logits` gives them, features (B, positions, F) or None), on `device` (default: the host) in
+        `dtype` (the training step's: a (B, P, V) tensor in fp32 is twice what it needs to be); `teacher(mask)`
+        gives the target's (logits, features) of the batch rows `mask` selects, called for unseen blocks only.
+        Only what is kept crosses between host and device: the top-k in, the records out."""
         rows = rows.cpu()
         miss = ~self.filled[rows]
         if miss.any():
             self._store(rows[miss], *teacher(miss.to(torch.bool)))
         self.misses += int(miss.sum())
         self.hits += len(rows) - int(miss.sum())
-        got = self.read(rows)
-        vals, idx, fill = got["values"].float(), got["index"].long(), got["fill"]
+        got = {k: v.to(device) for k, v in self.read(rows).items()}
+        idx, fill = got["index"].long(), got["fill"].to(dtype)
         spare = self.column_of is not None
         if spare:
-            idx = self.column_of[idx]
+            idx = self._columns(idx.device)[idx]
         out = fill.unsqueeze(-1).expand(*fill.shape, self.width + spare).clone()
-        feats = got["features"].float() if self.n_features else None
-        return out.scatter_(-1, idx, vals)[..., : self.width], feats
+        feats = got["features"].to(dtype) if self.n_features else None
+        return out.scatter_(-1, idx, got["values"].to(dtype))[..., : self.width], feats
+
+    def _columns(self, device) -> torch.Tensor:
+        """`column_of` on `device`, copied there once."""
+        if self.column_of.device != torch.device(device):
+            self.column_of = self.column_of.to(device)
+        return self.column_of
 
     def _store(self, rows: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None = None) -> None:
-        top, idx = top_logprobs(logits.detach().cpu(), self.k)
-        parts = {"values": top, "index": idx, "fill": _tail_fill(top, self.vocab, self.k)}
+        top, idx = top_logprobs(logits.detach(), self.k)  # on the device: only the kept top-k come to the host
+        parts = {"values": top.cpu(), "index": idx.cpu()}
+        parts["fill"] = _tail_fill(parts["values"], self.vocab, self.k)
         if self.n_features:
             parts["features"] = half_features(features)
         self.write(rows, **parts)
@@ -192,8 +202,9 @@ class TeacherCache:
 
 
 def half_features(features: torch.Tensor) -> torch.Tensor:
-    """The target's hidden states as kept: fp16 on the CPU, refused (one line) where they exceed its range."""
-    half = features.detach().cpu().half()
+    """The target's hidden states as kept: fp16 on the CPU (halved on their device, so half as much crosses),
+    refused (one line) where they exceed its range."""
+    half = features.detach().half().cpu()
     if not bool(torch.isfinite(half).all()):
         raise ValueError("the target's features exceed float16's range (65504), so they cannot be kept: set "
                          "loss.teacher_topk=0")
