@@ -325,6 +325,7 @@ LOSSES = {
 def test_a_training_step_runs_on_the_device(kind, kept, loss):
     """The teacher pass (or the kept logits and features, read from the host store and expanded on the device),
     the loss and the backward, for each kind of draft: every tensor the step makes meets the models' device."""
+    from conftest import tiny_llama
     from test_feature import feature_draft
 
     from draftsmith.train.build import DraftConfig, build_draft
@@ -332,8 +333,6 @@ def test_a_training_step_runs_on_the_device(kind, kept, loss):
     from draftsmith.train.module import DraftModule
     from draftsmith.train.onpolicy import Batch
     from draftsmith.train.teacher import TeacherCache
-
-    from conftest import tiny_llama
 
     target = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)  # built on the host, moved as Lightning moves them
     if kind == "feature":
