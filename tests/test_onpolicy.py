@@ -111,7 +111,7 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
     op = OnPolicy(0.5, (torch.randint(0, V, (8, 4)), torch.ones(8, 4).long()), temperature=1.0, buffer=4)
     real = op.__call__
     spy = lambda self, d, ids, progress: calls.append(progress) or real(d, ids, progress)  # noqa: E731
-    op_calls = type("Spy", (), {"fraction": 0.5, "__call__": spy})()
+    op_calls = type("Spy", (), {"fraction": 0.5, "__call__": spy, "seed_rank": lambda self, r: op.seed_rank(r)})()
     loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1, "forward_kl": 1}, "compile": False}
     module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-2, "warmup_steps": 1},
                          sampler={"temperature": 1.0}, max_steps=4, on_policy=op_calls)

@@ -177,7 +177,7 @@ def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
     from draftsmith.sampling.pruned import HEAD_TOKENS, PrunedHeadDraft
     from draftsmith.train.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch
+    from draftsmith.train.onpolicy import Batch, HeadRows
     from draftsmith.train.report import save_draft
     from draftsmith.train.teacher import TeacherCache
 
@@ -187,7 +187,7 @@ def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
     blocks = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
     b = Batch(blocks[:2])
     with torch.no_grad():
-        torch.testing.assert_close(b.logits(draft, head), b.logits(draft)[..., head])
+        torch.testing.assert_close(b.logits(draft, HeadRows(draft, head)), b.logits(draft)[..., head])
         cache = TeacherCache(8, 11, 6, 32)
         dense = cache.logits(torch.tensor([0, 1]), lambda miss: b.logits(target))
         pruned = TeacherCache(8, 11, 6, 32, columns=head)
