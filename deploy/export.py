@@ -40,7 +40,8 @@ from draftsmith.sampling.load import (
     resolve,
     tokenizer_mismatches,
 )
-from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.machine import default_device, device_of
+from draftsmith.sampling.precision import describe_run, device_name, run_info
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
 from draftsmith.train.evaluate import acceptance_by_set
 from draftsmith.train.report import draft_from_checkpoint, save_draft
@@ -94,6 +95,13 @@ def check_pair(target_tok, draft_tok, target, draft) -> None:
 def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
     return acceptance_by_set(target, draft, tok, prompt_sets, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
                              seed=seed, **sampler)
+
+
+@torch.inference_mode()
+def measure_bundle(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks) -> tuple[dict, dict]:
+    """(acceptance by prompt set, costs c and v(K)) of the pair where it is: the card's figures."""
+    acc = measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed)
+    return acc, measure_costs(target, draft, ks=ks)
 
 
 def model_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:
@@ -170,27 +178,28 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
-           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8)) -> Path:
+           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8), device=None) -> Path:
+    """`device`: where the pair is measured (default: the GPU where there is one): the card's c, v(K) and
+    recommended K are figures of that device, and the card says which."""
     src, target_name, sampler = locate(Path(src), target_arg)
     out = Path(out).resolve()
     target_dir = resolve(target_name)
-    target, target_tok = load_model(target_name, dtype), load_tokenizer(target_name)
+    device = device or default_device()
+    target, target_tok = load_model(target_name, dtype, device=device), load_tokenizer(target_name)
     if src.suffix == ".ckpt":
         arch = src.parent.parent / "best_draft"
         if not (arch / "config.json").is_file():
             raise ExportError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
         model, head = split_head(load_model(str(arch), "fp32"))  # the checkpoint holds the plain model's weights
-        draft = draft_from_checkpoint(model, str(src))
+        draft = draft_from_checkpoint(model, str(src), device=device)
         draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
-        draft, draft_tok = load_model(str(src), dtype), load_tokenizer(str(src))
+        draft, draft_tok = load_model(str(src), dtype, device=device), load_tokenizer(str(src))
     check_pair(target_tok, draft_tok, target, draft)
 
-    print("measuring acceptance and costs...", file=sys.stderr)
-    with torch.inference_mode():
-        acc = measure_pair(target, draft, target_tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed)
-        cost = measure_costs(target, draft, ks=ks)
+    print(f"measuring acceptance and costs on {device_name(device_of(target))}...", file=sys.stderr)
+    acc, cost = measure_bundle(target, draft, target_tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks)
     alpha = sum(r["alpha"] * r["prompts"] for r in acc.values()) / sum(r["prompts"] for r in acc.values())
     k_rec, _ = best_k(alpha, cost["c"], cost["v"])
     feature = is_feature_draft(draft)
@@ -307,7 +316,7 @@ def _previous(out: Path) -> Path:
 
 def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:
     """Load the bundle back as a user would; our sampler must reproduce the recorded acceptance exactly."""
-    draft = load_model(str(bundle / "draft"), spec["dtype"]["draft"])
+    draft = load_model(str(bundle / "draft"), spec["dtype"]["draft"], device=device_of(target))
     check_pair(target_tok, load_tokenizer(str(bundle / "draft")), target, draft)
     with torch.inference_mode():
         again = measure_pair(target, draft, target_tok, sampler, spec["prompt_sets"], spec["n_prompts"],
@@ -356,13 +365,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
+    ap.add_argument("--device", default=default_device(),
+                    help="where the pair is measured, the device the bundle will serve on (default: %(default)s)")
     ap.add_argument("--no-wandb", action="store_true",
                     help="do not log the bundle as an artifact of the run's W&B run (logged when the run used W&B)")
     args = ap.parse_args(argv)
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
                      prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
-                     dtype=args.dtype)
+                     dtype=args.dtype, device=args.device)
     except (ExportError, ModelNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import torch
 
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
-from draftsmith.sampling.machine import device_of, seeded
+from draftsmith.sampling.machine import default_device, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
@@ -41,6 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="precision of both models (auto: the faster one for decoding on this machine, measured once)")
+    ap.add_argument("--device", default=default_device(),
+                    help="where both models run (default: %(default)s, the GPU where there is one)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--compile", action="store_true",
                     help="compiled static-shape decoding steps (torch.compile; each step shape compiles once: "
@@ -79,11 +81,11 @@ def main(argv=None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
-        target = load_model(args.target, args.dtype, trust_remote_code=args.trust_remote_code)
+        target = load_model(args.target, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         draft = None
         if args.draft:
             check_same_tokenizer(tok, load_tokenizer(args.draft))
-            draft = load_model(args.draft, args.dtype, trust_remote_code=args.trust_remote_code)
+            draft = load_model(args.draft, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
                 raise ValueError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
                                  "training (draft.draft_vocab)")

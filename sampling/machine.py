@@ -29,6 +29,12 @@ def device_of(model) -> torch.device:
     return torch.device(getattr(model, "device", "cpu"))
 
 
+def default_device() -> str:
+    """Where a command measures and samples unless told: the GPU where there is one (a bundle's c and v(K) are
+    figures of the device it will serve on), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def seeded(device, seed: int) -> torch.Generator:
     """A generator seeded `seed` on `device`, where the model draws: its draws cost no copy. A device with no
     generator of its own (`meta`, the tests' stand-in accelerator) draws on the host (`probs.uniform` moves each

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.sampling.cost import Stepper
-from draftsmith.sampling.machine import cache_home, machine, machine_key, read_json, write_json
+from draftsmith.sampling.machine import cache_home, device_of, machine, machine_key, read_json, write_json
 
 ROLES = ("train", "teacher", "decode")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -44,14 +44,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def run_info(**models) -> dict:
-    """What a speed figure ran on: the machine and each model's precision (`target=..., draft=...`)."""
-    return {"machine": machine(), "dtype": {name: dtype_name(m.dtype) for name, m in models.items()}}
+    """What a speed figure ran on: the machine, the device the models ran on (the first model's; a GPU box's
+    figures may still be the CPU's) and each model's precision (`target=..., draft=...`)."""
+    first = next(iter(models.values()))
+    return {"machine": machine(), "device": device_name(device_of(first)),
+            "dtype": {name: dtype_name(m.dtype) for name, m in models.items()}}
+
+
+def device_name(device) -> str:
+    """'cuda:0 (NVIDIA H200)', or 'cpu' (the machine line names the CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return dev.type
 
 
 def describe_run(info: dict) -> str:
-    """One line for a report: 'AMD EPYC, AVX2, no native bf16, 2 threads, torch 2.13.0+cpu; target fp32, ...'."""
+    """One line for a report: 'AMD EPYC, AVX2, no native bf16, 2 threads, torch 2.13.0+cpu; target fp32, ...'
+    (on a GPU: the GPU's name)."""
     m = info["machine"]
-    where = m["cuda"] or f"{m['cpu']}, {_describe(m)}"
+    device = info.get("device", "cuda" if m["cuda"] else "cpu")  # records made before the device was kept
+    where = device if device.startswith("cuda") else f"{m['cpu']}, {_describe(m)}"
     return f"{where}, torch {m['torch']}; " + ", ".join(f"{k} {v}" for k, v in info["dtype"].items())
 
 

@@ -30,6 +30,7 @@ from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, load_model, load_tokenizer
+from draftsmith.sampling.machine import default_device
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.probs import sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
@@ -71,16 +72,17 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="bench", help="output directory for bench.json and figure1.png")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=default_device(), help="where both models run (default: %(default)s)")
     ap.add_argument("--compile", action="store_true",
                     help="our loops and the cost model with compiled static-shape steps (independent drafts only); "
                          "every shape is compiled by an untimed pass over the first prompt")
     args = ap.parse_args(argv)
     try:
         tok = load_tokenizer(args.target)
-        target = load_model(args.target, args.dtype)
+        target = load_model(args.target, args.dtype, device=args.device)
         full_drafts = {}
         for d in args.draft:
-            full_drafts[_label(d, full_drafts)] = load_model(d, args.dtype)
+            full_drafts[_label(d, full_drafts)] = load_model(d, args.dtype, device=args.device)
         if args.compile:
             for d in full_drafts.values():
                 check_compilable(d)

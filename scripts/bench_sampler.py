@@ -26,7 +26,7 @@ from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
-from draftsmith.sampling.machine import now
+from draftsmith.sampling.machine import default_device, now, seeded
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.stats import summary
 from draftsmith.train.build import truncated_target
@@ -59,7 +59,8 @@ def main():
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--compile", action="store_true",
                     help="also run our loops with compiled static-shape steps, and measure c and v(K) both ways")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU node (timings synchronise the device)")
+    ap.add_argument("--device", default=default_device(),
+                    help="where both models run (default: %(default)s; timings synchronise the device)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -106,7 +107,7 @@ def main():
         target(warm)  # warm-up
         for c in configs:  # compiled configs compile every shape they meet here, outside the timing
             if c.endswith("_compiled"):
-                configs[c](warm, torch.Generator(device=warm.device).manual_seed(0))
+                configs[c](warm, seeded(warm.device, 0))
         if args.compile:
             for suffix, comp in modes.items():
                 costs[f"{next(iter(drafts))}{suffix}"] = measure_costs(target, first, ks=range(1, args.k + 1),
@@ -117,7 +118,7 @@ def main():
             rng.shuffle(order)
             for c in order:
                 t = now(ids.device)
-                out = configs[c](ids, torch.Generator(device=ids.device).manual_seed(i))
+                out = configs[c](ids, seeded(ids.device, i))
                 times[c].append(now(ids.device) - t)
                 if hasattr(out, "stats"):
                     extra[c].append(out.stats.to_dict())

@@ -450,3 +450,65 @@ def test_kept_logits_are_expanded_on_the_device_and_only_the_top_k_crosses(tmp_p
                              top_p=1.0, eos=None, keep_logits=4):
             pass
     assert not [w for w in seen.wide if w.startswith("cpu")], seen.wide
+
+
+def test_weights_load_straight_onto_an_accelerator(monkeypatch):
+    """A model for a GPU is written onto it as transformers reads it (its device map), never whole in host memory
+    first (140 GB of a 70B target in bf16). No GPU here: the loader's request is what is checked, with the model
+    left on the host, so nothing is moved after (d614497 moved it: `.to("cuda:1")` fails on a CPU-only torch)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.sampling.load import load_model
+
+    asked, real = [], AutoModelForCausalLM.from_pretrained
+
+    def record(path, **kw):
+        asked.append(kw.pop("device_map", None))
+        return real(path, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    load_model("tiny-random", "fp32", device="cuda:1")
+    assert asked == [{"": "cuda:1"}]
+
+
+def _tiny_draft_dir(path):
+    from conftest import tiny_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tiny_random_dir())
+    tiny_llama(vocab=len(tok), layers=1, hidden=32, seed=1).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+def test_generate_runs_the_pair_on_the_device_it_is_given(tmp_path, capsys):
+    """`--device`: both models there, the prompt tokenized on the host, the card of the run says where."""
+    from helpers import DeviceReads
+
+    from draftsmith.sampling.generate import main
+
+    draft, _ = _tiny_draft_dir(tmp_path / "draft")
+    with DeviceReads() as reads:
+        rc = main(["--target", "tiny-random", "--draft", str(draft), "--device", DEVICE, "--dtype", "fp32",
+                   "--prompt", "def f(x):", "--max-new-tokens", "8", "-k", "2", "--json"])
+    assert rc == 0 and (DEVICE != "meta" or reads.count > 0)
+
+
+def test_a_bundles_figures_are_measured_on_the_device_and_reload_there(tmp_path):
+    """export's acceptance and costs run where the pair will serve, and the bundle's draft is loaded back onto the
+    target's device for its check (d614497 loaded it on the host beside a GPU target)."""
+    from helpers import DeviceReads
+
+    from draftsmith.deploy.export import measure_bundle, reload_check
+    from draftsmith.sampling.load import load_model
+    from draftsmith.sampling.precision import run_info
+
+    draft_dir, tok = _tiny_draft_dir(tmp_path / "draft")
+    target, draft = load_model("tiny-random", "fp32", device=DEVICE), load_model(str(draft_dir), "fp32", device=DEVICE)
+    sampler = {"k": 2, "temperature": 0.8, "top_p": 0.95, "top_k": 0}
+    with DeviceReads():
+        acc, cost = measure_bundle(target, draft, tok, sampler, ["code"], 2, 6, 0, (1, 2))
+        spec = {"acceptance": acc, "prompt_sets": ["code"], "n_prompts": 2, "max_new_tokens": 6, "seed": 0,
+                **run_info(target=target, draft=draft)}
+        reload_check(tmp_path, target, tok, spec, sampler)
+    assert set(cost["v"]) == {1, 2} and spec["device"].split(":")[0].split(" ")[0] == DEVICE.split(":")[0]
