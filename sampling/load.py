@@ -63,7 +63,9 @@ ALIASES = {
                                   "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "tiny-random": _TinyRandom(),
     "llama3-70b-shape": _Shape("llama3-70b"),
+    "llama3-8b-shape": _Shape("llama3-8b"),
 }
+RANDOM = "random:"  # `random:SHAPE[:LAYERS]`: a shape with random weights (`_materialize_random`)
 
 
 class ModelNotFound(ValueError):
@@ -72,6 +74,8 @@ class ModelNotFound(ValueError):
 
 def resolve(name: str) -> Path:
     """Alias, GGUF file or HF checkpoint (dir or hub id) -> a local directory with config, weights, tokenizer."""
+    if name.startswith(RANDOM):
+        return _materialize_random(name)
     if name in ALIASES:
         spec = ALIASES[name]
         if isinstance(spec, _TinyRandom):
@@ -181,6 +185,60 @@ def _materialize_tiny(name: str, spec: _TinyRandom) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    return _publish(tmp, out)
+
+
+def config_of(name: str):
+    """The config of model `name` without its weights: a `random:` target's is its shape's, cut to its layers, read
+    without building it (a plan of its memory needs no weights)."""
+    from transformers import AutoConfig
+
+    if not name.startswith(RANDOM):
+        return AutoConfig.from_pretrained(resolve(name))
+    shape, layers = _random_spec(name)
+    config = AutoConfig.from_pretrained(resolve(shape))
+    if layers:
+        config.num_hidden_layers = layers
+    return config
+
+
+def _random_spec(name: str) -> tuple[str, int | None]:
+    _, shape, *rest = name.split(":")
+    shapes = [k for k, v in ALIASES.items() if isinstance(v, _Shape)]
+    if not isinstance(ALIASES.get(shape), _Shape) or len(rest) > 1 or (rest and not rest[0].isdigit()):
+        raise ModelNotFound(f"{name!r}: write random:SHAPE or random:SHAPE:LAYERS, SHAPE one of {', '.join(shapes)}")
+    return shape, int(rest[0]) if rest else None
+
+
+def _materialize_random(name: str) -> Path:
+    """`random:SHAPE[:LAYERS]`: a shape's config (an alias such as llama3-8b-shape) with random bf16 weights and
+    tiny-random's tokenizer (ids below 512 of the shape's vocabulary), the first LAYERS layers when given: a target
+    of a real model's size for GPU checks and dry runs at scale, with nothing to download. Built once, on the GPU
+    where there is one (initialising 8B parameters on a host takes minutes), and cached."""
+    _random_spec(name)  # a malformed name is refused before anything is built
+    out = cache_home() / "models" / name.replace(":", "-")
+    if (out / "config.json").is_file():
+        return out
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = config_of(name)
+    tokens = resolve("tiny-random")
+    tok = AutoTokenizer.from_pretrained(tokens)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    print(f"draftsmith: building {name} ({config.num_hidden_layers} layers, random weights) in {out}, once",
+          file=sys.stderr)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    model.save_pretrained(tmp)
+    del model
+    for f in tokens.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
     return _publish(tmp, out)
 
 

@@ -5,6 +5,7 @@ itself, a seed stream that `probs.uniform` moves to the model's device. Wall-clo
 through `machine.now(device)`, which synchronises CUDA."""
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -83,6 +84,42 @@ def test_sampler_and_costs_on_cuda_with_cpu_inputs():
     assert cost["c"] > 0 and cost["v"][2] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it on a GPU node)")
+@pytest.mark.parametrize("generator", ["cuda", "cpu"])
+def test_the_loops_wait_for_the_gpu_once_per_loop(generator):
+    """CUDA's own sync debug mode warns at every operation that makes the host wait for the GPU: the speculative
+    loop waits once per loop (its one read), plus a few times per generation (the prompt's mask, the rows' tokens
+    and the analytic acceptance at the end), with a generator on the GPU or on the host (its draws copied over
+    through pinned memory)."""
+    import warnings
+
+    from conftest import tiny_llama
+
+    from draftsmith.sampling import speculative_generate
+    from draftsmith.sampling.machine import seeded
+
+    target, draft = tiny_llama(vocab=64, seed=0).cuda(), tiny_llama(vocab=64, layers=1, seed=1).cuda()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    g = seeded("cuda", 0) if generator == "cuda" else torch.Generator().manual_seed(0)
+    speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=4, k=2, temperature=0.8, generator=g)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            gen = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=24, k=3,
+                                       temperature=0.8, top_p=0.95, generator=g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    loops = len(gen.stats.loop_end_s) - 1
+    print(f"host reads: {len(waits)} waits in {loops} loops")
+    assert len(waits) <= loops + 6, waits[:8]
+
+
 # -- the stand-in device -------------------------------------------------------------------------------------------
 # `meta` behaves as CUDA does toward the host: an op mixing a meta tensor with a CPU one raises ("Tensor on device cpu
 # is not on the expected device meta!"), and every read of its values back to the host is refused, as a read of a
@@ -93,6 +130,11 @@ def _meta(model):
     return model.to("meta")
 
 
+STAND_IN_ONLY = pytest.mark.skipif(os.environ.get("DRAFTSMITH_TEST_DEVICE", "meta") != "meta",
+                                   reason="counts reads on the meta stand-in; on CUDA its sync debug mode counts them")
+
+
+@STAND_IN_ONLY
 @pytest.mark.parametrize("B,temperature,top_p", [(1, 0.0, 1.0), (1, 0.8, 1.0), (3, 0.8, 0.9), (3, 0.0, 1.0)])
 @pytest.mark.parametrize("kind", ["independent", "feature", "plain"])
 def test_sampler_reads_the_device_once_per_loop(kind, B, temperature, top_p, monkeypatch):
@@ -131,6 +173,7 @@ def test_sampler_reads_the_device_once_per_loop(kind, B, temperature, top_p, mon
     assert reads.count <= loops + 2, reads.names  # + the prompt's mask, + the analytic acceptance at the end
 
 
+@STAND_IN_ONLY
 def test_k_auto_reads_one_decision_per_drafted_token():
     """k="auto" decides after each drafted token whether to draft one more: one read each, on top of the loop's."""
     from conftest import tiny_llama
@@ -200,7 +243,6 @@ def test_a_draw_never_lands_on_a_zero_probability_token():
 # Every path that takes a model, with the model on `meta` (DRAFTSMITH_TEST_DEVICE=cuda runs them on a GPU instead:
 # scripts/gpu_check.sh): a host tensor meeting it raises there, as it would on a GPU. Reads of its values are answered
 # by `DeviceReads` (zeros), so a path runs to its end.
-import os  # noqa: E402
 
 DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "meta")
 

@@ -263,16 +263,14 @@ def _draft_config(cfg) -> DraftConfig:
 
 
 def _plan(cfg) -> dict:
-    from transformers import AutoConfig
-
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.load import config_of
     from draftsmith.train.build import draft_config_for
     from draftsmith.train.plan import plan, print_plan
 
     draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
         raise SetupError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
-    target_config = AutoConfig.from_pretrained(resolve(cfg.target.name))
+    target_config = config_of(cfg.target.name)
     devices = cfg.trainer.get("devices", 1)
     ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)
     p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,

@@ -65,6 +65,8 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
 def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, last_path: str, acceptance_cb,
                  wall_s: float, tokens_per_s: float | None, precision: str,
                  token_counts: torch.Tensor | None = None) -> dict:
+    # what training held at its peak on this rank's GPU, read before the report's own measurements add to it
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device_of(target).type == "cuda" else None
     t0 = time.time()
     last = module.draft.eval()
     if sharded(module):  # ZeRO-3 or FSDP: this rank holds a shard; the last checkpoint holds it whole
@@ -97,6 +99,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "validation_history": acceptance_cb.history,
         "eval": results,
         "train_tokens_per_s": tokens_per_s,
+        "peak_gpu_memory_gib": peak,  # rank 0's, allocated tensors (the plan's accounting), not the allocator's cache
         "wall_s": wall_s + time.time() - t0,  # everything, this report's measurements included
         "training_precision": precision,  # the draft's; the target's and the cost models' are in run_info
         **run_info(target=target, draft=cost_draft),
@@ -179,6 +182,8 @@ def print_report(report: dict) -> None:
         print(f"draft cost c = {report['c']:.3f} of a target step (measured here)")
     if report["train_tokens_per_s"]:
         print(f"training throughput: {report['train_tokens_per_s']:.0f} tokens/s")
+    if report.get("peak_gpu_memory_gib") is not None:
+        print(f"peak GPU memory in training: {report['peak_gpu_memory_gib']:.2f} GiB (rank 0, allocated)")
     print(f"wall time: {report['wall_s'] / 60:.1f} min (training precision {report['training_precision']}; "
           f"{describe_run(report)})")
     print(f"plot: {Path(report['best_draft']).parent / 'acceptance.png'}")
