@@ -76,6 +76,24 @@ def test_launchers_are_told_apart_from_their_variables(env, devices, nodes, want
     assert detect(env, devices, nodes) == want
 
 
+def test_rank_0_alone_prepares_and_claims_under_every_launcher(monkeypatch, tmp_path):
+    """srun's rank 5 and torchrun's rank 3 are not rank 0: they neither prepare the corpus nor claim the run dir
+    (both used to read RANK/LOCAL_RANK/NODE_RANK only, so every srun task was rank 0)."""
+    from draftsmith.train.data import first_rank
+    from draftsmith.train.rundir import claim_run_dir
+
+    for k in list(os.environ):
+        if k.startswith(LAUNCH_VARS):
+            monkeypatch.delenv(k)
+    for env in (SRUN, TORCHRUN):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert not first_rank()
+            claim_run_dir(tmp_path)
+            assert not (tmp_path / ".run.lock").exists()
+
+
 def test_lightning_is_handed_the_environment_we_detected(monkeypatch):
     """An sbatch script (2 tasks a node) running plain python with trainer.devices=2: Lightning alone picks
     SLURMEnvironment, which says the processes are started outside, so it starts no second rank and the first waits
