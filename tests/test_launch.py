@@ -294,3 +294,37 @@ def test_lightnings_own_launcher_on_two_nodes_makes_one_run(tmp_path):
                            DRAFTSMITH_HOME=str(tmp_path / f"home{i}"))) for i in (0, 1)]
     _, outs = _two_node_run(tmp_path, commands)
     assert "draftsmith: launcher lightning, rank 1, local rank 0, node 1 of 2, world size 2" in outs[1]
+
+
+def test_a_trainer_unlike_the_launch_is_refused_before_any_work(monkeypatch):
+    """torchrun started 4 processes on 2 nodes; trainer.devices=1 x num_nodes=1 is refused at the start, in
+    Lightning's own words (it found it only when the trainer was built, after the corpus was sampled)."""
+    from draftsmith.train.launch import check_trainer
+
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    launch = detect()
+    check_trainer(launch, 2, 2)
+    with pytest.raises(LaunchError, match=r"^rank 3 \(torchrun\): .*devices=1.*num_nodes=1.* does not match the "
+                                          r"world size \(4\)"):
+        check_trainer(launch, 1, 1)
+
+
+def test_where_the_corpus_lives_and_how_long_ranks_wait_for_it(tmp_path):
+    """One node: $DRAFTSMITH_HOME (cached across runs); several: the run dir every node reads, unless data.cache_dir
+    names shared storage. The corpus wait covers the sampling time box."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.sampling.machine import cache_home
+    from draftsmith.train.draft import _corpus_dir, _corpus_wait_s
+
+    cfg = OmegaConf.create({"data": {"cache_dir": None, "generated": {"enabled": True, "max_minutes": 30}},
+                            "launch": {"wait_minutes": 60}})
+    one, two = Launch("single", 0, 0, 0, 1, 1, 1, 0), Launch("srun", 0, 0, 0, 2, 2, 2, 0)
+    assert _corpus_dir(cfg, tmp_path, one) == cache_home()
+    assert _corpus_dir(cfg, tmp_path, two) == tmp_path / "corpus"
+    cfg.data.cache_dir = str(tmp_path / "shared")
+    assert _corpus_dir(cfg, tmp_path, two) == _corpus_dir(cfg, tmp_path, one) == tmp_path / "shared"
+    assert _corpus_wait_s(cfg) == 90 * 60
+    cfg.data.generated.enabled = False
+    assert _corpus_wait_s(cfg) == 60 * 60
