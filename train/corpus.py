@@ -286,7 +286,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     if keep_logits and progress and todo:
         print(store_estimate(len(jobs), max_new_tokens, keep_logits, 3 * target.config.hidden_size
                              if keep_features and engine != "vllm"
-                             else 0, max(len(r) for r in rows)), flush=True)
+                             else 0, max(len(r) for r in rows), where=out_path.parent), flush=True)
     new_tokens, t0 = 0, time.perf_counter()
     # with a time box the bar runs over the box's seconds (its ETA is the box's end, not that of the ceiling of
     # samples, which a box is not meant to reach); the samples go in the postfix
@@ -318,14 +318,16 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     return out_path
 
 
-def store_estimate(samples: int, new_tokens: int, k: int, features: int = 0, prompt_tokens: int = 0) -> str:
+def store_estimate(samples: int, new_tokens: int, k: int, features: int = 0, prompt_tokens: int = 0,
+                   where: Path | None = None) -> str:
     """One line: what the kept store of `samples` will hold at most (fp16 log-probabilities and int32 ids per sampled
     token; fp16 features per position the target ran on), so a 1M-sample corpus of an 8B target is no surprise."""
     per_sample = new_tokens * k * (2 + 4) + (new_tokens + prompt_tokens) * features * 2
     total = samples * per_sample
     what = f"top-{k} logits" + (f" and {features} feature values a position" if features else "")
     return (f"draftsmith: the kept store ({what}) takes up to {total / 2**30:.3g} GiB for {samples} samples of "
-            f"{new_tokens} tokens ({per_sample / 2**20:.3g} MiB a sample), beside the corpus in {cache_home()}")
+            f"{new_tokens} tokens ({per_sample / 2**20:.3g} MiB a sample), beside the corpus in "
+            f"{where or cache_home()}")
 
 
 def logits_dir(path: Path) -> Path:

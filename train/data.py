@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,17 +12,15 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from draftsmith.sampling.machine import read_json, write_json
+from draftsmith.train.launch import Launch, detect, rank0_gone
 from draftsmith.train.rundir import SetupError
 
 DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on, fixed at its first start
 
 
 def first_rank() -> bool:
-    """Rank 0 of the whole job, before any process group exists: torchrun and SLURM set RANK; Lightning's own
-    launcher sets LOCAL_RANK and NODE_RANK for the processes it starts."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]) == 0
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+    """Rank 0 of the whole job, before any process group exists, however it was launched (train/launch.py)."""
+    return detect().first
 
 
 def line_count(path: Path) -> int:
@@ -41,17 +38,30 @@ def rows_digest(path: Path, rows: int) -> str:
     return h.hexdigest()
 
 
-def prepared_once(out_dir: Path, prepare, poll_s: float = 2.0) -> dict:
+def prepared_once(out_dir: Path, prepare, timeout_s: float, launch: Launch | None = None,
+                  poll_s: float = 2.0) -> dict:
     """The run's corpus, prepared once per run directory. The first rank of a fresh run calls `prepare()` (which
     may sample the target for a time box) and records what it made in OUT_DIR/data.json; every other rank waits for
-    that record, and every resume reads it: all ranks train on the same blocks, and no resume samples again."""
+    that record, at most `timeout_s`, and every resume reads it: all ranks train on the same blocks, and no resume
+    samples again."""
+    launch = launch or detect()
     record = Path(out_dir) / DATA_RECORD
     if not record.is_file():
-        if first_rank():
+        if launch.first:
             write_json(record, prepare())
         else:
-            print(f"draftsmith: waiting for rank 0 to prepare the corpus ({record})", file=sys.stderr, flush=True)
+            print(f"draftsmith: rank {launch.rank} waits for rank 0 to prepare the corpus ({record})",
+                  file=sys.stderr, flush=True)
+            deadline = time.monotonic() + timeout_s
             while not record.is_file():
+                gone = rank0_gone(launch)
+                if gone and not record.is_file():
+                    raise SetupError(f"rank {launch.rank}: rank 0 stopped before it prepared the corpus ({record} "
+                                     f"never came; its store: {gone}): see rank 0's log")
+                if time.monotonic() > deadline:
+                    raise SetupError(f"rank {launch.rank} waited {timeout_s / 60:.3g} min for rank 0 to prepare the "
+                                     f"corpus ({record} never came): see rank 0's log; a slow preparation needs a "
+                                     "larger launch.wait_minutes")
                 time.sleep(poll_s)
     data = read_json(record)
     if data is None:

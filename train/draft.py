@@ -44,7 +44,6 @@ from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
     check_data,
-    first_rank,
     line_count,
     loaders,
     prepared_once,
@@ -53,6 +52,17 @@ from draftsmith.train.data import (
 )
 from draftsmith.train.feature import build_feature_draft
 from draftsmith.train.generation import EngineCheck, EngineError, choose_engine, measure_engines
+from draftsmith.train.launch import (
+    Launch,
+    LaunchError,
+    agree,
+    check_trainer,
+    cluster_environment,
+    detect,
+    devices_per_node,
+    of_trainer,
+    run_name,
+)
 from draftsmith.train.module import DraftModule
 from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
@@ -70,7 +80,11 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, verbose=False)
     if cfg.get("plan"):  # what a run would hold per rank, from the target's config alone; nothing is trained
         return _plan(cfg)
+    launch = of_trainer(cfg.trainer)  # who this process is, whatever started it: before any work
+    print(launch.line(), flush=True)
+    check_trainer(launch, devices_per_node(cfg.trainer), int(cfg.trainer.get("num_nodes", 1) or 1))
     out_dir = check_writable(cfg.out_dir)
+    _one_run_dir(launch, out_dir, cfg)
     claim_run_dir(out_dir)  # a second run in the same directory is refused, not interleaved
 
     # 1. The frozen target and its tokenizer, in the precision its teacher passes run fastest in on this machine.
@@ -83,15 +97,17 @@ def train(cfg: DictConfig) -> dict:
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
     placement = _target_ranks_setting(cfg)
     weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
-    target = _load_target(cfg) if first_rank() or weights is None else None
+    target = _load_target(cfg) if launch.first or weights is None else None
     target_config = (weights or target).config
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
-    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, target, tok, file_prompts))
+    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, target, tok, file_prompts, _corpus_dir(cfg, out_dir,
+                                                                                                       launch)),
+                         _corpus_wait_s(cfg), launch)
     source = data["source"]
     blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
                          data["documents"])
-    print(f"draftsmith: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))} trains on "
+    print(f"draftsmith: rank {launch.rank} trains on "
           f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
     train_dl, val_dl = loaders(blocks, cfg)
     on_policy = _on_policy(cfg, tok, blocks, file_prompts)
@@ -126,7 +142,7 @@ def train(cfg: DictConfig) -> dict:
                                  directory=out_dir) if topk and not online else None
     # where the target is held: with several ranks, on rank 0 alone when training never calls it (target.ranks)
     why = _training_calls_target(cfg, feature, online, teacher_cache, "train_src" in blocks)
-    first_only = _target_ranks(placement, why) and _world_size(cfg) > 1
+    first_only = _target_ranks(placement, why) and launch.world_size > 1
     if teacher_cache is not None and "train_src" in blocks:
         # a rank without the target cannot fill a block's gaps: each block trains on the positions its corpus kept
         filled = prefill_teacher(teacher_cache, blocks["train_src"], Path(source), sampled_rows(source),
@@ -140,8 +156,8 @@ def train(cfg: DictConfig) -> dict:
             first_only = _target_ranks(placement, why)
     if target is None and not first_only:
         target = _load_target(cfg)
-    if not first_rank():
-        print(f"draftsmith: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK'))} "
+    if not launch.first:
+        print(f"draftsmith: rank {launch.rank} "
               + ("holds no target: it trains on the target's kept logits, rank 0 validates" if target is None
                  else f"holds a replica of the target: {why or 'target.ranks=all'}"), flush=True)
     module = DraftModule(draft, target, loss=OmegaConf.to_container(cfg.loss), optim=OmegaConf.to_container(cfg.optim),
@@ -167,10 +183,11 @@ def train(cfg: DictConfig) -> dict:
                               enable_version_counter=False)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer)
     trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
+    trainer_kwargs["plugins"] = [cluster_environment(launch)]  # Lightning counts the ranks as we do
     if isinstance(trainer_kwargs.get("strategy"), dict):
         trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
-        trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
+        trainer_kwargs["plugins"].append(AtomicCheckpointIO())
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
                         callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, last_cb, *_callbacks(cfg)],
                         logger=loggers(cfg))
@@ -196,7 +213,7 @@ def train(cfg: DictConfig) -> dict:
     return report
 
 
-def _generated_corpus(cfg, target, tok, file_prompts):
+def _generated_corpus(cfg, target, tok, file_prompts, home: Path):
     """`data=generated`: the target samples continuations of the prompts once; cached and resumable."""
     g = cfg.data.generated
     if file_prompts is None:
@@ -221,7 +238,7 @@ def _generated_corpus(cfg, target, tok, file_prompts):
         name += "-vllm"
         check = EngineCheck("vllm", load_model(cfg.target.name, "fp32"), tok,
                             SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, seed=cfg.seed)
-    path = cache_home() / "generated" / f"{name}.jsonl"
+    path = home / "generated" / f"{name}.jsonl"
     return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
                            max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                            batch_size=g.batch_size, seed=cfg.seed,
@@ -237,7 +254,7 @@ def _callbacks(cfg) -> list:
     return [instantiate(spec) for spec in (cfg.get("callbacks") or {}).values() if spec]
 
 
-def _imported_corpus(cfg, target, tok, pairs) -> Path:
+def _imported_corpus(cfg, target, tok, pairs, home: Path) -> Path:
     """`data.source=` prompt + completion pairs sampled elsewhere: one teacher pass writes them to the same store as
     our own samples (the kept logits, a feature draft's features), once; cached by the file and the settings."""
     src = Path(cfg.data.source).expanduser().resolve()
@@ -246,7 +263,7 @@ def _imported_corpus(cfg, target, tok, pairs) -> Path:
     layers = _feature_layers(cfg, target) if keep else None
     key = hashlib.sha256(json.dumps([str(src), st.st_size, int(st.st_mtime), cfg.data.get("prompt_field"),
                                      cfg.data.get("completion_field"), keep, layers]).encode()).hexdigest()[:12]
-    path = cache_home() / "imported" / f"{cfg.target.name.replace('/', '_')}-{src.stem}-{key}.jsonl"
+    path = home / "imported" / f"{cfg.target.name.replace('/', '_')}-{src.stem}-{key}.jsonl"
     prompts, completions = pairs
     return generate_corpus(target, tok, prompts, path, batch_size=8, seed=cfg.seed, keep_logits=keep,
                            keep_features=layers, completions=completions)
@@ -279,17 +296,18 @@ def _plan(cfg) -> dict:
     return {"plan": {s: p.per_rank(s) for s in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")}}
 
 
-def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
+def _prepare_corpus(cfg, target, tok, file_prompts, home: Path) -> dict:
     """What this run trains on: the corpus source and how many of its documents (a sampled corpus: the rows the
-    target had written when its time box ended, with their digest, so a file grown later changes nothing)."""
+    target had written when its time box ended, with their digest, so a file grown later changes nothing). A corpus
+    the target samples (or a teacher pass keeps) is written under `home` (`_corpus_dir`)."""
     if cfg.data.generated.enabled:
-        path = _generated_corpus(cfg, target, tok, file_prompts)
+        path = _generated_corpus(cfg, target, tok, file_prompts, home)
     else:
         pairs = pair_rows(cfg.data.source, cfg.data.get("prompt_field", "prompt"),
                           cfg.data.get("completion_field", "completion"))
         if pairs is None:  # text: tokenized as it is, no store
             return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
-        path = _imported_corpus(cfg, target, tok, pairs)
+        path = _imported_corpus(cfg, target, tok, pairs, home)
     rows = line_count(path)
     if cfg.data.max_documents:
         rows = min(rows, cfg.data.max_documents)
@@ -335,8 +353,21 @@ def _on_policy(cfg, tok, blocks, file_prompts) -> OnPolicy | None:
                     buffer=d.on_policy_buffer, seed=cfg.seed, start=d.on_policy_from)
 
 
-# the default run dir (recipes/draft.yaml) ends in the process id: two runs started in the same second get two dirs
+def _run_name(_root_) -> str:
+    """The default run dir's name (recipes/draft.yaml): date/time-pid of the job's rank 0, shared with every process
+    the launcher started (train/launch.py); the pid keeps two runs started in the same second apart."""
+    try:
+        return run_name(lambda: of_trainer(_root_.trainer), 60 * float(_root_.launch.join_minutes))
+    except LaunchError as e:  # raised while Hydra resolves the run dir: not a traceback, one line
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+OmegaConf.register_new_resolver("run_name", _run_name, replace=True)
+# Hydra's own files of the run (.hydra/) written once, by the job's rank 0 (Lightning's launcher does the same for the
+# ranks it spawns): two processes writing one config file at once could leave it torn
+OmegaConf.register_new_resolver("hydra_subdir", lambda: ".hydra" if detect().first else None, replace=True)
 
 
 # an absolute path: `recipes/` sits beside this package in the checkout and in the installed wheel alike, and the
@@ -349,7 +380,35 @@ def _load_target(cfg):
     once for validation and the report); a replica on another rank sits on that rank's own device."""
     return load_model(cfg.target.name, cfg.target.dtype, role="teacher", device=_target_device(cfg),
                       trust_remote_code=bool(cfg.target.trust_remote_code),
-                      device_map=cfg.target.device_map if first_rank() else None)
+                      device_map=cfg.target.device_map if detect().first else None)
+
+
+def _one_run_dir(launch: Launch, out_dir: Path, cfg) -> None:
+    """Every process of the job in rank 0's run dir, checked when all have met: a `hydra.run.dir` that names another
+    dir on some process (a per-process interpolation, another working directory) would split the run."""
+    agree(launch, "run dir", str(out_dir.resolve()), 60 * float(cfg.launch.join_minutes),
+          same="give every process the same hydra.run.dir (or none: rank 0 names it for all), on storage every node "
+               "shares")
+
+
+def _corpus_dir(cfg, out_dir: Path, launch: Launch) -> Path:
+    """Where a sampled (or teacher-passed) corpus is written and cached: `data.cache_dir` if set; else, for a run on
+    one node, $DRAFTSMITH_HOME (kept across runs, resumable); for several nodes the run dir, which every node reads
+    (data.json names the corpus, and $DRAFTSMITH_HOME is node-local on clusters)."""
+    if cfg.data.get("cache_dir"):
+        return Path(cfg.data.cache_dir).expanduser().resolve()
+    if launch.nodes > 1:
+        print(f"draftsmith: {launch.nodes} nodes: the corpus goes to {out_dir / 'corpus'}, which every node reads; "
+              "set data.cache_dir to shared storage to keep it across runs", flush=True)
+        return out_dir / "corpus"
+    return cache_home()
+
+
+def _corpus_wait_s(cfg) -> float:
+    """How long ranks > 0 wait for rank 0's corpus: launch.wait_minutes, plus the sampling time box if any."""
+    g = cfg.data.generated
+    box = g.max_minutes if g.enabled and g.max_minutes else 0
+    return 60 * (float(cfg.launch.wait_minutes) + float(box))
 
 
 def _target_ranks_setting(cfg) -> str:
@@ -378,19 +437,6 @@ def _training_calls_target(cfg, feature: bool, online: bool, teacher_cache, kept
     return None
 
 
-def _world_size(cfg) -> int:
-    """Ranks of the run, before Lightning has set up any: the launcher's (torchrun, SLURM, Lightning's own children
-    set WORLD_SIZE), else devices x nodes of a multi-device trainer."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    t = cfg.trainer
-    devices = t.get("devices", 1)
-    if str(devices) in ("auto", "-1"):
-        devices = torch.cuda.device_count() if str(t.get("accelerator")) in ("gpu", "cuda", "auto") else 1
-    n = len(devices) if not isinstance(devices, (int, str)) else int(devices)
-    return max(1, n) * int(t.get("num_nodes", 1) or 1)
-
-
 def _target_ranks(placement: str, why: str | None) -> bool:
     """True: the target on rank 0 alone (it validates and reports); False: a replica on every rank."""
     if placement == "first" and why:
@@ -400,10 +446,10 @@ def _target_ranks(placement: str, why: str | None) -> bool:
 
 def _target_device(cfg) -> str:
     """The target loads straight onto this rank's device in its CUDA dtype (no CPU probe, no CPU kernels): a GPU
-    trainer's rank LOCAL_RANK holds cuda:LOCAL_RANK, a CPU trainer the CPU."""
+    trainer's rank holds the GPU of its local rank on its node, a CPU trainer the CPU."""
     acc = str(cfg.trainer.get("accelerator", "cpu"))
     if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()):
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        return f"cuda:{detect().local_rank}"
     return "cpu"
 
 
@@ -413,7 +459,7 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ModelNotFound, CorpusError, EngineError, SetupError, ValueError, FloatingPointError) as e:
+    except (ModelNotFound, CorpusError, EngineError, SetupError, LaunchError, ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

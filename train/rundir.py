@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from draftsmith.sampling.machine import atomic_path
+from draftsmith.train.launch import detect
 
 
 class SetupError(ValueError):
@@ -33,8 +34,8 @@ _CLAIMS = []  # the open lock files of the run dirs this process holds (closed b
 
 def claim_run_dir(path: Path) -> None:
     """One training run per run directory: a second run (or a resume) there while the first lives is refused.
-    flock, so a run that was SIGKILLed leaves no stale claim; DDP's other ranks (LOCAL_RANK > 0) share rank 0's."""
-    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+    flock, so a run that was SIGKILLed leaves no stale claim; the job's other ranks, on any node, share rank 0's."""
+    if not detect().first:
         return
     lock = open(path / ".run.lock", "a+")
     try:

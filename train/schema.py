@@ -59,6 +59,12 @@ class Target:
 
 
 @dataclass
+class Launch:
+    join_minutes: float = 10.0
+    wait_minutes: float = 60.0
+
+
+@dataclass
 class Draftsmith:
     seed: int = 0
     out_dir: str = MISSING
@@ -69,6 +75,7 @@ class Draftsmith:
     eval: Eval = field(default_factory=Eval)
     sampler: Sampler = field(default_factory=Sampler)
     target: Target = field(default_factory=Target)
+    launch: Launch = field(default_factory=Launch)
     draft: Any = MISSING
     data: Any = MISSING
     loss: Any = MISSING
