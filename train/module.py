@@ -140,7 +140,7 @@ class DraftModule(L.LightningModule):
                 raise FloatingPointError(
                     f"the loss was NaN or Inf for {self._nonfinite_run} steps in a row (step {self.global_step}): "
                     "stopping before a poisoned checkpoint is saved; lower optim.lr or check the data")
-            if self.trainer.world_size == 1:
+            if self._ranks == 1:
                 return None  # Lightning skips backward and update
             # with several ranks Lightning refuses None, and a rank that skipped its backward would leave the others
             # waiting in the gradient all-reduce: every rank runs a backward of zeros, and the update is dropped
@@ -159,11 +159,15 @@ class DraftModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
 
+    @property
+    def _ranks(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
     def _all_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite on every rank: one flag reduced over the ranks (one read per step, which the
         step's logging pays anyway), so that every rank takes the same branch."""
         bad = (~torch.isfinite(loss.detach())).float()
-        if self.trainer.world_size > 1:
+        if self._ranks > 1:
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
         return not bool(bad)
 
