@@ -56,7 +56,8 @@ def verify(
     """One verification of K drafted tokens per row.
 
     Args:
-        p: (B, K, V) draft distributions the draft tokens were sampled from.
+        p: (B, K, V) draft distributions the draft tokens were sampled from. K = 0 (nothing drafted) is one plain
+            step: no draft token, and the bonus token drawn from q at position 0.
         q: (B, K+1, V) target distributions at the same positions plus the bonus position.
         draft_tokens: (B, K) the drafted tokens.
 
@@ -66,6 +67,11 @@ def verify(
             position, or from q at position K (the bonus token) when all K were accepted.
     """
     B, K, _ = p.shape
+    if q.shape[:2] != (B, K + 1) or draft_tokens.shape != (B, K):
+        raise ValueError(f"verify takes p (B, K, V), q (B, K+1, V) and draft_tokens (B, K); got p {tuple(p.shape)}, "
+                         f"q {tuple(q.shape)}, draft_tokens {tuple(draft_tokens.shape)}")
+    if K == 0:
+        return torch.zeros(B, dtype=torch.long, device=q.device), sample(q[:, 0], generator)
     p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     q_x = q[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)
     u = uniform((B, K), generator, p.dtype, p.device)

@@ -476,11 +476,10 @@ def _speculative_loop(target, draft, tap, input_ids, attention_mask, max_new_tok
             accept = match.float()  # sum_x min(p, q) of two one-hot distributions
         else:
             q = process_logits(logits, cfg)
-            if K:
-                n, nxt = verify(p, q, drafts, generator)  # (Bn,), (Bn,)
-                accept = expected_acceptance(p, q[:, :K])
-            else:
-                n, nxt = torch.zeros(Bn, dtype=torch.long, device=dev), sample(q[:, 0], generator)
+            if not K:  # nothing drafted (a feature draft's first loop): one plain step
+                p = q[:, :0]
+            n, nxt = verify(p, q, drafts, generator)  # (Bn,), (Bn,)
+            accept = expected_acceptance(p, q[:, :K])
         if K:
             was_tested = steps[None, :K] <= n[:, None]  # (Bn, K): positions up to the first rejection were tested
             analytic += (accept * was_tested).sum()

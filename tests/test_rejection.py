@@ -56,3 +56,53 @@ def test_verify_accepts_prefix_only():
     q_all = torch.tensor([[[1.0, 0, 0], [0, 1.0, 0], [1.0, 0, 0], [0, 0, 1.0]]])
     n, nxt = verify(p, q_all, torch.tensor([[0, 1, 0]]))
     assert n.item() == 3 and nxt.item() == 2  # bonus token from q at position K
+
+
+# -- the cases peers test their rejection samplers with (as vLLM's suite does: drafts against a target's argmax,
+# then the sampled case), run against `verify`. Token rows: drafts, then what the step emits.
+
+def _one_hot(tokens: list[list[int]], V: int = 20) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), V).double()
+
+
+def _run(drafted: list[list[int]], target: list[list[int]]) -> list[list[int]]:
+    """Greedy-style: the draft is sure of its tokens, the target of its own (argmax) at each of K+1 positions.
+    Returns each row's emitted tokens: the accepted drafts, then the next token."""
+    p, q = _one_hot(drafted), _one_hot(target)
+    d = torch.tensor(drafted, dtype=torch.long).reshape(len(drafted), -1)
+    n, nxt = verify(p.reshape(len(drafted), d.shape[1], q.shape[-1]), q, d, torch.Generator().manual_seed(0))
+    return [row[:k] + [t] for row, k, t in zip(drafted, n.tolist(), nxt.tolist())]
+
+
+@pytest.mark.parametrize("drafted,target,emitted", [
+    ([[1, 2, 3]], [[1, 2, 3, 4]], [[1, 2, 3, 4]]),  # every draft matches: all kept, and the bonus token
+    ([[1, 2, 3]], [[1, 5, 3, 4]], [[1, 5]]),  # a mismatch at the second: the target's token there, nothing after
+    ([[1, 2, 3]], [[7, 2, 3, 4]], [[7]]),  # at the first
+    ([[1, 2], [3, 4]], [[1, 2, 5], [3, 6, 7]], [[1, 2, 5], [3, 6]]),  # rows decided independently
+    ([[1]], [[1, 2]], [[1, 2]]),  # one draft token
+    ([[1, 2, 3, 4]], [[1, 5, 3, 6, 7]], [[1, 5]]),  # mismatches after the first one are never reached
+    ([[]], [[9]], [[9]]),  # nothing drafted: the bonus token alone
+    ([[], []], [[9], [8]], [[9], [8]]),
+])
+def test_peer_cases(drafted, target, emitted):
+    assert _run(drafted, target) == emitted
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    p, q = _one_hot([[1, 2]]), _one_hot([[1, 2]])  # q must hold K + 1 positions
+    with pytest.raises(ValueError, match=r"q \(B, K\+1, V\)"):
+        verify(p, q, torch.tensor([[1, 2]]))
+
+
+def test_seeded_verification_is_deterministic_and_nothing_drafted_samples_q():
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(64, 3, 9, generator=torch.Generator().manual_seed(1)), -1)
+    q = torch.softmax(torch.randn(64, 4, 9, generator=torch.Generator().manual_seed(2)), -1)
+    d = torch.multinomial(p.reshape(-1, 9), 1, generator=torch.Generator().manual_seed(3)).reshape(64, 3)
+    a, b = verify(p, q, d, g1), verify(p, q, d, g2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # K = 0: n is 0 and the token is a draw from q at position 0
+    N, V = 100_000, 6
+    q0 = torch.tensor([0.05, 0.1, 0.3, 0.25, 0.1, 0.2]).expand(N, 1, V)
+    n, nxt = verify(q0[:, :0], q0, torch.zeros(N, 0, dtype=torch.long), torch.Generator().manual_seed(0))
+    assert int(n.sum()) == 0 and chi2_pvalue(torch.bincount(nxt, minlength=V).double(), q0[0, 0]) > 1e-3
