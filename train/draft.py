@@ -65,6 +65,7 @@ from draftsmith.train.launch import (
 )
 from draftsmith.train.module import DraftModule
 from draftsmith.train.onpolicy import OnPolicy
+from draftsmith.train.progress import RunProgress
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
 from draftsmith.train.report import final_report, print_report
 from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
@@ -189,7 +190,8 @@ def train(cfg: DictConfig) -> dict:
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"].append(AtomicCheckpointIO())
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
-                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, last_cb, *_callbacks(cfg)],
+                        callbacks=[acceptance_cb, DataOrder(train_dl), checkpoint_cb, last_cb, *_callbacks(cfg),
+                                   *([RunProgress(metric)] if trainer_kwargs.get("enable_progress_bar", True) else [])],
                         logger=loggers(cfg))
     if trainer.is_global_zero:
         log_config(trainer.loggers, cfg, run=run_info(target=target), training_precision=str(trainer.precision),
