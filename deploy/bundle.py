@@ -60,18 +60,18 @@ class Bundle:
 
 
 def open_bundle(path) -> Bundle:
-    """A bundle as `scripts/export.py` wrote it; refused, naming the file, when one is missing or was edited."""
+    """A bundle as `draftsmith export` wrote it; refused, naming the file, when one is missing or was edited."""
     path = Path(path)
     card = path / "speculative.json"
     if not card.is_file():
-        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with scripts/export.py")
+        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with draftsmith export")
     try:
         spec = json.loads(card.read_text())
     except ValueError as e:
         raise BundleError(f"{card} is not valid JSON ({e}): export the bundle again") from None
     files = spec.get("files")
     if not files:
-        raise BundleError(f"{path} predates file hashes in bundles: export it again with scripts/export.py")
+        raise BundleError(f"{path} predates file hashes in bundles: export it again with draftsmith export")
     for rel, digest in files.items():
         f = path / rel
         if not f.is_file():
@@ -104,7 +104,7 @@ def write_card(bundle: Bundle, report: dict) -> None:
 
 
 def deployment_table(deployment: dict) -> str:
-    lines = ["", "Lossless speculative decoding, judged by `scripts/deploy_check.py` (draftsmith's tests).", "",
+    lines = ["", "Lossless speculative decoding, judged by `draftsmith deploy-check` (draftsmith's tests).", "",
              "| engine | version | setting | verdict | tokens/s plain | tokens/s speculative | speed-up | "
              "acceptance (engine's count) |", "|---|---|---|---|---|---|---|---|"]
     for name, rep in deployment.items():

@@ -1,8 +1,8 @@
 """Is an engine's speculative decoding lossless? Judge it against the target. The command is
-`scripts/deploy_check.py` (this module's `main`):
+`draftsmith deploy-check` (this module's `main`):
 
-    python scripts/deploy_check.py BUNDLE --engine transformers
-    python scripts/deploy_check.py BUNDLE --engine vllm --draws 4000
+    draftsmith deploy-check BUNDLE --engine transformers
+    draftsmith deploy-check BUNDLE --engine vllm --draws 4000
 
 The engine runs the bundle's pair with speculative decoding and without, on the same prompts and settings:
 - greedy: speculative output equals the engine's plain decoding token for token. A divergence where the target's
@@ -32,6 +32,7 @@ import torch
 from scipy import stats
 
 from draftsmith.deploy.bundle import Bundle, BundleError, open_bundle, write_card
+from draftsmith.sampling.cli import examples
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
 from draftsmith.sampling.load import ModelNotFound, load_model
@@ -260,11 +261,29 @@ def _setting(value: str) -> Setting:
         raise argparse.ArgumentTypeError(f"a sampling setting is TEMPERATURE[:TOP_P], e.g. 0.8:0.95; got {value!r}")
 
 
-def main(argv=None) -> int:
+def _bundle_of(path: Path) -> Path:
+    """A bundle as it is; a run directory's bundle, exported into RUN/bundle the first time (what the card records
+    and the engines load is a bundle)."""
+    if (path / "speculative.json").is_file() or not (path / "best_draft").is_dir():
+        return path
+    out = path / "bundle"
+    if not (out / "speculative.json").is_file():
+        from draftsmith.deploy.export import export
+
+        print(f"deploy-check: {path} is a run: exporting it first (draftsmith export {path} --out {out})",
+              file=sys.stderr)
+        export(path, out)
+    return out
+
+
+def main(argv=None, prog=None) -> int:
     from draftsmith.deploy.engines import ENGINES, EngineFailed, EngineMissing, open_engine
 
-    ap = argparse.ArgumentParser(description="Judge an engine's speculative decoding of a bundle against its target")
-    ap.add_argument("bundle", type=Path)
+    ap = argparse.ArgumentParser(prog=prog or "draftsmith deploy-check", epilog=examples(__doc__),
+                                 description="Judge an engine's speculative decoding of a bundle against its target",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle", type=Path, help="a bundle (draftsmith export), or a run directory: exported first into "
+                    "RUN/bundle (once), and that bundle judged")
     ap.add_argument("--engine", required=True, choices=list(ENGINES))
     ap.add_argument("--sampling", type=_setting, nargs="+",
                     help="TEMPERATURE[:TOP_P] settings to judge (default: the bundle's own)")
@@ -279,7 +298,7 @@ def main(argv=None) -> int:
                          "the shape of the pass, so exactness cannot be judged) or the bundle's own")
     args = ap.parse_args(argv)
     try:
-        bundle = open_bundle(args.bundle)
+        bundle = open_bundle(_bundle_of(args.bundle))
         engine = open_engine(args.engine, bundle, args.dtype)
     except (BundleError, ModelNotFound, EngineMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Export a trained draft and its target as a bundle that transformers, vLLM and our sampler load as is.
 
-The command is `scripts/export.py` (this module's `main`):
-    python scripts/export.py outputs/2026-11-29/19-59-20 --out bundles/smollm2-draft
-    python scripts/export.py outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
+The command is `draftsmith export` (this module's `main`):
+    draftsmith export outputs/2026-11-29/19-59-20 --out bundles/smollm2-draft
+    draftsmith export outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
 
 Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md};
 speculative.json records every other file's sha256. A feature draft's config is also in the speculators format
@@ -29,6 +29,7 @@ import yaml
 
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
+from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import (
@@ -147,7 +148,7 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 ```
 draftsmith's sampler:
 ```bash
-python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+draftsmith generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 """
@@ -166,7 +167,7 @@ EAGLE path (its assisted generation takes an independent draft), so there is no 
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-python -m draftsmith.sampling.generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+draftsmith generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see
@@ -257,7 +258,7 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             (tmp / "vllm_speculative_config.json").write_text(json.dumps(
                 {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
                  "num_speculative_tokens": k_rec}, indent=2))
-            spec["files"] = bundle_hashes(tmp)  # `scripts/deploy_check.py` refuses a bundle edited after export
+            spec["files"] = bundle_hashes(tmp)  # `draftsmith deploy-check` refuses a bundle edited after export
             (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
             card = feature_card if feature else model_card
             (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
@@ -354,8 +355,9 @@ def log_bundle(run_dir: Path, bundle: Path, spec: dict) -> str | None:
     return run.id
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "draftsmith export", description=__doc__.splitlines()[0],
+                                 epilog=examples(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="run directory (best draft), a .ckpt of a run, or a draft checkpoint dir")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--target", help="target name/path (default: the run's)")

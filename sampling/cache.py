@@ -164,7 +164,7 @@ class Decoder:
         written in place. holes: speculative decoding keeps rejected slots as masked holes (batch > 1), so its
         caches would outgrow the tokens by up to (K + 1) / tokens_per_call; once more than `holes` slots of the
         longest row are holes, the cache is compacted (`compact_cache`), which bounds it by capacity
-        (`scripts/bench_memory.py`; docs/results.md, Memory)."""
+        (`draftsmith bench memory`; docs/results.md, Memory)."""
         self.model = model
         self.own_mask = hasattr(model, "new_cache")  # a feature draft: one layer of its own, a 2-D mask
         if self.own_mask:

@@ -1,7 +1,12 @@
 """Generate with speculative sampling and print the text and its statistics.
 
-    python -m draftsmith.sampling.generate --target smollm2-135m --draft DIR --prompt "def fib(n):" --temperature 0.8
-    python -m draftsmith.sampling.generate --target smollm2-135m --prompt "Hello"    # no draft: plain autoregressive
+    draftsmith generate --draft bundles/my-draft --prompt "def fib(n):"    # the bundle's target, K and settings
+    draftsmith generate --draft outputs/DATE/TIME --prompt "def fib(n):"   # a run's best draft and its target
+    draftsmith generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 2 --temperature 0.8
+    draftsmith generate --target smollm2-135m --prompt "Hello"             # no draft: plain autoregressive
+
+A bundle brings its target, the K it recommends and the temperature / top-p it was measured at; a run directory
+its best draft and target; any of them given here wins.
 """
 
 from __future__ import annotations
@@ -9,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from draftsmith.sampling.cli import Draft, examples, locate_draft
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
@@ -21,20 +26,22 @@ from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.sampling.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m",
-                    help="alias, hub id, checkpoint dir or .gguf (default: %(default)s)")
-    ap.add_argument("--draft", help="draft checkpoint (same tokenizer as the target); omit for plain sampling")
+def parse_args(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog or "draftsmith generate", description=__doc__.splitlines()[0],
+                                 epilog=examples(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help=f"alias, hub id, checkpoint dir or .gguf (default: the draft's bundle's or "
+                    f"run's target, else {DEFAULT_TARGET})")
+    ap.add_argument("--draft", help="a bundle, a run directory or a draft checkpoint (same tokenizer as the "
+                    "target); omit for plain sampling")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    ap.add_argument("-k", default="4", help="draft tokens per loop, or 'auto': after each drafted token, one more "
-                    "if the draft's confidence, the running acceptance and the measured costs say it pays "
-                    "(default: %(default)s)")
+    ap.add_argument("-k", help="draft tokens per loop, or 'auto': after each drafted token, one more if the draft's "
+                    "confidence, the running acceptance and the measured costs say it pays (default: a bundle's "
+                    "recommended K, else 4)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temperature", type=float, help="default: the bundle's or run's, else 0.8")
+    ap.add_argument("--top-k", type=int, help="default: the bundle's or run's, else 0 (off)")
+    ap.add_argument("--top-p", type=float, help="default: the bundle's or run's, else 0.95")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="prune the draft head to its corpus' N most frequent tokens (exact; needs the draft dir's "
                          "token_counts.safetensors, written by train/draft.py)")
@@ -62,18 +69,27 @@ def _k(value: str):
     return int(value)
 
 
-def _card_alpha(draft_dir: str) -> float:
-    """The bundle card's alpha (BUNDLE/speculative.json beside BUNDLE/draft) as k=auto's prior, else 0.5."""
-    card = Path(draft_dir).resolve().parent / "speculative.json"
-    try:
-        return min(0.95, float(json.loads(card.read_text())["alpha"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0.5
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 0}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def settle(args) -> Draft | None:
+    """Fill what the command line left open from what the draft's source says (a bundle: target, K, settings; a
+    run: target, settings), else the defaults."""
+    draft = locate_draft(args.draft) if args.draft else None
+    said = draft.sampling if draft else {}
+    args.target = args.target or (draft and draft.target) or DEFAULT_TARGET
+    args.k = args.k or str((draft and draft.k) or 4)
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, said.get(key, default))
+    return draft
+
+
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
     try:
+        source = settle(args)
         SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before loading anything
         k = _k(args.k)
         if not args.prompt:
@@ -83,9 +99,9 @@ def main(argv=None) -> int:
         tok = load_tokenizer(args.target)
         target = load_model(args.target, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         draft = None
-        if args.draft:
-            check_same_tokenizer(tok, load_tokenizer(args.draft))
-            draft = load_model(args.draft, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+        if source is not None:
+            check_same_tokenizer(tok, load_tokenizer(source.path))
+            draft = load_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
                 raise ValueError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
                                  "training (draft.draft_vocab)")
@@ -94,7 +110,7 @@ def main(argv=None) -> int:
                                  "with it: drop --draft-vocab")
             if args.draft_vocab:
                 try:
-                    draft = prune_from_dir(draft, args.draft, args.draft_vocab, [tok.eos_token_id])
+                    draft = prune_from_dir(draft, source.path, args.draft_vocab, [tok.eos_token_id])
                 except FileNotFoundError as e:
                     raise ValueError(f"--draft-vocab needs token counts: {e}") from None
         text = args.prompt
@@ -108,7 +124,7 @@ def main(argv=None) -> int:
         if draft is None:
             gen = autoregressive_generate(target, ids, **common)
         else:
-            extra = {"alpha_prior": _card_alpha(args.draft)} if k == "auto" else {}
+            extra = {"alpha_prior": min(0.95, source.alpha or 0.5)} if k == "auto" else {}
             gen = speculative_generate(target, draft, ids, k=k, **common, **extra)
     except (ValueError, ModelNotFound) as e:
         print(f"error: {e}", file=sys.stderr)

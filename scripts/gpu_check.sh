@@ -55,12 +55,12 @@ fi
 if on 2; then
     step smoke_bf16 240 train recipe=smoke trainer=gpu trainer.devices=1 trainer.precision=bf16-mixed \
         hydra.run.dir="$OUT/smoke" && show smoke_bf16 "best draft|alpha|c =|throughput|peak GPU"
-    step smoke_export 180 "$PY" scripts/export.py "$OUT/smoke" --out "$OUT/smoke_bundle" --device cuda --no-wandb \
+    step smoke_export 180 "$PY" -m draftsmith.deploy.cli export "$OUT/smoke" --out "$OUT/smoke_bundle" --device cuda --no-wandb \
         && show smoke_export "bundle|alpha|recommended"
 fi
 TARGET8B="random:llama3-8b-shape"
 if on 3; then
-    step sampler_8b 300 "$PY" scripts/bench_sampler.py --target "$TARGET8B" --device cuda --dtype bf16 --cut-layers 3 \
+    step sampler_8b 300 "$PY" -m draftsmith.deploy.cli bench sampler --target "$TARGET8B" --device cuda --dtype bf16 --cut-layers 3 \
         --no-self-draft --prompts 3 --max-new-tokens 128 && show sampler_8b "tok/s|tokens/s|speed|c =|v\(|ArS|SpS" 16
 fi
 if on 4; then

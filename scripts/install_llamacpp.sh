@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bash scripts/install_llamacpp.sh
 # llama.cpp's server and GGUF converter from the llama-cpp-python sdist on PyPI (it vendors both), built once into
-# $DRAFTSMITH_HOME/engines/llamacpp (several minutes on 2 cores). scripts/deploy_check.py --engine llamacpp runs it.
+# $DRAFTSMITH_HOME/engines/llamacpp (several minutes on 2 cores). draftsmith deploy-check --engine llamacpp runs it.
 set -euo pipefail
 VERSION=0.3.36
 HOME_DIR="${DRAFTSMITH_LLAMACPP:-${DRAFTSMITH_HOME:-$HOME/.cache/draftsmith}/engines/llamacpp}"

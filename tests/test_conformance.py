@@ -1,4 +1,4 @@
-"""scripts/deploy_check.py: the judge of engines is itself judged. It passes our exact sampler, rejects a sampler
+"""draftsmith deploy-check: the judge of engines is itself judged. It passes our exact sampler, rejects a sampler
 with a planted residual bug (its stated power says it must), and refuses bundles that are incomplete or edited."""
 
 import json

@@ -1,4 +1,4 @@
-"""Real deployment engines judged by scripts/deploy_check.py on a demo-sized bundle (vLLM's CPU attention refuses
+"""Real deployment engines judged by draftsmith deploy-check on a demo-sized bundle (vLLM's CPU attention refuses
 head_dim 16, so the tiny test models will not do). An engine that is not installed is skipped with the command
 that installs it; CI installs vLLM and sets DRAFTSMITH_REQUIRE_ENGINES=vllm, which turns that skip into a failure."""
 

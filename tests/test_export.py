@@ -40,7 +40,7 @@ def test_bundle_layout_and_acceptance_card(bundle):
     ref = json.loads((out / "target.json").read_text())
     assert len(ref["config_sha256"]) == 64 and len(ref["tokenizer_sha256"]) == 64
     card = (out / "README.md").read_text()
-    assert "assistant_model=draft" in card and "vllm serve" in card and "python -m draftsmith.sampling.generate" in card
+    assert "assistant_model=draft" in card and "vllm serve" in card and "draftsmith generate" in card
     assert not list(out.parent.glob(".pair.partial-*"))  # atomic: no leftovers
     # what the speed figures ran on: the card and the spec name the CPU and each model's precision
     assert set(spec["dtype"]) == {"target", "draft"} and spec["machine"]["threads"] >= 1
@@ -147,3 +147,28 @@ def test_export_logs_the_bundle_to_the_runs_wandb_run(smoke_run, tmp_path):
     assert main([str(run), "--out", str(tmp_path / "b2"), "--n-prompts", "1", "--max-new-tokens", "8",
                  "--no-wandb"]) == 0
     assert len(set((run / "wandb").glob("offline-run-*/run-*.wandb"))) == len(before) + 1
+
+
+def test_each_verb_takes_what_the_one_before_made(bundle, capsys):
+    """`draftsmith generate --draft BUNDLE` runs the bundle's draft with its target and its recommended K (a bundle
+    was refused as "no config.json", and its draft dir ran K 4); `--draft RUN_DIR` runs the run's best draft with its
+    target; `draftsmith bench paper` takes the bundle too."""
+    from draftsmith.deploy.cli import main
+
+    run_dir, out = bundle
+    spec = json.loads((out / "speculative.json").read_text())
+    assert main(["generate", "--draft", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8", "--json",
+                 "--device", "cpu"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["k"] == spec["recommended_k"] and stats["new_tokens"] <= 8
+    assert main(["generate", "--draft", str(out), "-k", "3", "--prompt", "x", "--max-new-tokens", "4", "--json",
+                 "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["k"] == 3  # what is given wins
+    assert main(["generate", "--draft", str(run_dir), "--prompt", "x", "--max-new-tokens", "4", "--json",
+                 "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["k"] == 4
+    bench = out.parent / "bench"
+    assert main(["bench", "paper", "--draft", str(out), "--n-prompts", "1", "--max-new-tokens", "8", "--k-sweep", "0",
+                 "1", "-k", "1", "--no-k-auto", "--no-peers", "--out", str(bench), "--device", "cpu"]) == 0
+    record = json.loads((bench / "bench.json").read_text())
+    assert record["args"]["target"].endswith("tiny-random") and (bench / "figure1.png").is_file()

@@ -38,10 +38,11 @@ def test_wheel_installs_and_runs_the_smoke_recipe_outside_the_checkout(tmp_path)
     where = subprocess.run([str(py), "-c", "import draftsmith.train.draft as d; print(d.__file__, d.RECIPES)"],
                            cwd=work, capture_output=True, text=True, env=env)
     assert where.returncode == 0 and str(ROOT) not in where.stdout, where.stdout + where.stderr
-    res = subprocess.run([str(bin_dir / "draftsmith-train"), "recipe=smoke", f"hydra.run.dir={work / 'run'}"],
+    res = subprocess.run([str(bin_dir / "draftsmith"), "train", "recipe=smoke", f"hydra.run.dir={work / 'run'}"],
                          cwd=work, capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (work / "run" / "best_draft" / "config.json").is_file()
-    for cli in ("draftsmith-generate", "draftsmith-export", "draftsmith-deploy-check"):
-        helped = subprocess.run([str(bin_dir / cli), "--help"], cwd=work, capture_output=True, text=True, env=env)
-        assert helped.returncode == 0 and "usage" in helped.stdout, cli + helped.stderr[-500:]
+    for verb in ("generate", "export", "deploy-check", "bench", "plan"):
+        helped = subprocess.run([str(bin_dir / "draftsmith"), verb, "--help"], cwd=work, capture_output=True,
+                                text=True, env=env)
+        assert helped.returncode == 0 and "usage" in helped.stdout, verb + helped.stderr[-500:]

@@ -373,7 +373,7 @@ OmegaConf.register_new_resolver("hydra_subdir", lambda: ".hydra" if detect().fir
 
 
 # an absolute path: `recipes/` sits beside this package in the checkout and in the installed wheel alike, and the
-# path works for `python train/draft.py`, `python -m draftsmith.train.draft` and `draftsmith-train`
+# path works for `python train/draft.py`, `python -m draftsmith.train.draft` and `draftsmith train`
 RECIPES = str(Path(__file__).resolve().parent.parent / "recipes")
 
 

@@ -255,7 +255,7 @@ class EngineCheck:
             raise EngineError(
                 f"data.generated.engine={self.engine} ({version}) samples the wrong distribution: chi-square p "
                 f"{p:.2g} < {LEVEL:g} on the first two tokens of {self.draws} plain samples against the target's exact "
-                f"probabilities; no sample was kept. Reproduce: draftsmith-deploy-check BUNDLE --engine "
+                f"probabilities; no sample was kept. Reproduce: draftsmith deploy-check BUNDLE --engine "
                 f"{self.engine}; use data.generated.engine=draftsmith meanwhile")
         print(f"draftsmith: {self.engine} {version} samples the target's distribution (chi-square p {p:.3g}, "
               f"{self.draws} draws); its samples are kept", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Peak memory of the teacher store as the corpus grows: it should stay flat (the kept logits and features live on
 disk, one record per block, read per batch).
 
-    python scripts/bench_store.py                       # the demo's shapes: 255 positions, top-128, features 3 x 576
-    python scripts/bench_store.py --blocks 500 2000 --features 0
+    draftsmith bench store                       # the demo's shapes: 255 positions, top-128, features 3 x 576
+    draftsmith bench store --blocks 500 2000 --features 0
 
 Each size runs in a fresh process: fill every block (as the prefill from the target's kept logits does), then read
 one epoch in batches of 4 (as training does). It prints the peak RSS of each, and the bytes the same blocks would
@@ -20,6 +20,8 @@ import tempfile
 import time
 
 import torch
+
+from draftsmith.sampling.cli import examples
 
 
 def one(blocks: int, positions: int, k: int, features: int, vocab: int, batch: int) -> dict:
@@ -44,8 +46,9 @@ def one(blocks: int, positions: int, k: int, features: int, vocab: int, batch: i
             "in_memory_mb": blocks * cache.record / 2**20, "fill_s": fill_s, "epoch_read_s": read_s}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--positions", type=int, default=255)
     ap.add_argument("--k", type=int, default=128)
@@ -53,22 +56,24 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192, help="the logits drawn to fill the store (its cost only)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(one(a.child, a.positions, a.k, a.features, a.vocab, a.batch)))
-        return
+        return 0
     from draftsmith.sampling.machine import machine
 
     m = machine()
     print(f"{m['cpu']}, {m['threads']} threads; {a.positions} positions x top-{a.k}, {a.features} feature values")
     print(f"{'blocks':>8} {'peak RSS MB':>12} {'held in memory MB':>18} {'fill s':>8} {'epoch read s':>13}")
     for n in a.blocks:
-        args = [sys.executable, __file__, "--child", str(n), "--positions", str(a.positions), "--k", str(a.k),
-                "--features", str(a.features), "--vocab", str(a.vocab), "--batch", str(a.batch)]
+        args = [sys.executable, "-m", "draftsmith.deploy.bench.store", "--child", str(n), "--positions",
+                str(a.positions), "--k", str(a.k), "--features", str(a.features), "--vocab", str(a.vocab),
+                "--batch", str(a.batch)]
         r = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
         print(f"{r['blocks']:>8} {r['peak_rss_mb']:>12.0f} {r['in_memory_mb']:>18.0f} {r['fill_s']:>8.1f} "
               f"{r['epoch_read_s']:>13.1f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Peak memory of a whole training run as its corpus grows: the teacher store streams, so it should stay flat.
 
-    python scripts/bench_train_memory.py                           # recipe=smoke, data=generated, 1x and 4x samples
-    python scripts/bench_train_memory.py --scales 1 4 16 -- draft=feature_head   # extra overrides after --
+    draftsmith bench train-memory                           # recipe=smoke, data=generated, 1x and 4x samples
+    draftsmith bench train-memory --scales 1 4 16 -- draft=feature_head   # extra overrides after --
 
 Each scale is one run from an empty cache in a fresh process (the target samples the corpus with its logits kept,
 then trains a fixed number of steps over it), timed and measured by the peak RSS of its process tree. It prints
@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from draftsmith.sampling.cli import examples
+
 # the run in a child whose own peak RSS (ru_maxrss of its waited children) is this run's alone
 _MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
             "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)")
@@ -28,7 +29,7 @@ _MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]);
 def one(scale: int, base_prompts: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, str(ROOT / "train" / "draft.py"), "recipe=smoke", "data=generated",
+        cmd = [sys.executable, "-m", "draftsmith.train.draft", "recipe=smoke", "data=generated",
                f"data.generated.n_prompts={base_prompts * scale}", "data.generated.samples_per_prompt=1",
                "data.generated.max_new_tokens=48", "data.max_documents=null", "trainer.max_steps=30",
                "trainer.val_check_interval=30", "logger=csv", f"hydra.run.dir={run}", *extra]
@@ -50,8 +51,9 @@ def one(scale: int, base_prompts: int, extra: list[str]) -> dict:
                 "peak_rss_mb": int(tail[1]) / 1024, "wall_s": wall}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scales", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompts", type=int, default=64, help="prompts (one sample each) at scale 1")
     ap.add_argument("--json", help="write the rows here")

@@ -1,7 +1,7 @@
 """Which engine samples the target's corpus faster on this machine: our loop or vLLM, on the same prompts and settings.
 
-    python scripts/bench_corpus.py                                   # demo target, 64 broad prompts, 192 tokens
-    python scripts/bench_corpus.py --target DIR --batch-size 256 --max-new-tokens 256 --json out.json
+    draftsmith bench corpus                                   # demo target, 64 broad prompts, 192 tokens
+    draftsmith bench corpus --target DIR --batch-size 256 --max-new-tokens 256 --json out.json
 
 Each engine samples one batch of the `broad` prompts at the recipe's T 0.8, top-p 0.95 (vLLM in its own venv,
 `bash scripts/install_vllm.sh`; its start is timed apart, it is paid once a run). It prints tokens/s of each and
@@ -14,14 +14,16 @@ import argparse
 import json
 import time
 
+from draftsmith.sampling.cli import examples
 from draftsmith.sampling.load import load_model, load_tokenizer
 from draftsmith.sampling.machine import machine, vllm_python
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
 from draftsmith.train.generation import own_batches, vllm_batches
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch-size", type=int, default=64)

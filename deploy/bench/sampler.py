@@ -1,8 +1,8 @@
 """Our sampler against transformers on the same pair, interleaved in one process.
 
-    python scripts/bench_sampler.py                                   # demo target, self-draft + 4-layer cut draft
-    python scripts/bench_sampler.py --draft DIR --prompts 6 --max-new-tokens 128 --json bench.json
-    python scripts/bench_sampler.py --compile --no-self-draft        # + our compiled decoding, and its c and v(K)
+    draftsmith bench sampler                                   # demo target, self-draft + 4-layer cut draft
+    draftsmith bench sampler --draft DIR --prompts 6 --max-new-tokens 128 --json bench.json
+    draftsmith bench sampler --compile --no-self-draft        # + our compiled decoding, and its c and v(K)
 
 Rows: our ArS vs transformers `generate` (the baseline every speed-up is quoted against must not be slow),
 and our SpS vs transformers assisted generation (`assistant_model=`, constant K, no confidence cut-off) with
@@ -23,6 +23,7 @@ import statistics
 import torch
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.cli import examples, locate_draft
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
@@ -43,10 +44,12 @@ PROMPTS = [
 ]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", help="draft checkpoint; default: the target cut to --cut-layers layers")
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="default: the draft's bundle's or run's target, else smollm2-135m")
+    ap.add_argument("--draft", help="a bundle, a run dir or a draft checkpoint; default: the target cut to "
+                    "--cut-layers layers")
     ap.add_argument("--cut-layers", type=int, default=4)
     ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the target as its own draft (alpha ~1): isolates each sampler's machinery")
@@ -62,10 +65,13 @@ def main():
     ap.add_argument("--device", default=default_device(),
                     help="where both models run (default: %(default)s; timings synchronise the device)")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     rng = random.Random(0)
 
+    source = locate_draft(args.draft) if args.draft else None
+    args.draft = source.path if source else None
+    args.target = args.target or (source and source.target) or "smollm2-135m"
     tok = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype, device=args.device)
     # default: the target's first N layers + final norm + head, the naive draft peers use (alpha ~0.05)
@@ -179,7 +185,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

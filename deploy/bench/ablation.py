@@ -1,9 +1,9 @@
 """The ablation's table and plot, read from a finished Hydra multirun: what trains the best draft at equal wall time.
 
     python train/draft.py -m recipe=shallow_wide hparams_search=ablation trainer.max_time=00:00:07:00
-    python scripts/ablation.py multirun/DATE/TIME                 # -> docs/ablation/{ablation.json,.md,.png}
-    python scripts/ablation.py multirun/DATE/TIME --out DIR       # elsewhere
-    python scripts/ablation.py --curve outputs/DATE/TIME          # alpha against training tokens of one run
+    draftsmith bench ablation multirun/DATE/TIME                 # -> ablation/{ablation.json,.md,.png}
+    draftsmith bench ablation multirun/DATE/TIME --out DIR       # elsewhere
+    draftsmith bench ablation --curve outputs/DATE/TIME          # alpha against training tokens of one run
 
 Hydra runs the grid (`recipes/hparams_search/ablation.yaml`: data x loss x depth; narrow it on the command line,
 e.g. `data=generated loss=distill_tv draft.layers=1,2,3`); each job is one run directory with its overrides and
@@ -19,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from draftsmith.sampling.cli import examples
+
 WINNER = {"data": "generated", "loss": "distill_tv"}  # the data grid's winner: the depth plot varies from it
 
 
@@ -166,10 +167,12 @@ def curve(run_dir: Path, out: Path) -> None:
         print(f"{t:>9} tokens  val/alpha_on_target {a:.3f}  val/alpha {s:.3f}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("multirun", type=Path, nargs="?", help="a finished `-m` run's directory (multirun/DATE/TIME)")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "ablation")
+    ap.add_argument("--out", type=Path, default=Path("ablation"),
+                    help="where the table and plot go (default: %(default)s)")
     ap.add_argument("--curve", type=Path, help="plot alpha against training tokens of this run dir instead")
     args = ap.parse_args(argv)
     if args.curve:

@@ -1,8 +1,8 @@
 """Peak memory of a long speculative generation (batch 16, 250 and 1,000 new tokens a row) against the KV caches it
 must hold (target and draft): what grows beyond them is a leak.
 
-    python scripts/bench_memory.py --draft outputs/default_run/best_draft
-    python scripts/bench_memory.py --target tiny-random --draft tiny-random --tokens 50 200   # a quick look
+    draftsmith bench memory --draft outputs/default_run/best_draft
+    draftsmith bench memory --target tiny-random --draft tiny-random --tokens 50 200   # a quick look
 
 Each length runs in a fresh process, since the peak RSS (`ru_maxrss`) of a process never goes down.
 """
@@ -15,6 +15,8 @@ import sys
 import time
 
 import torch
+
+from draftsmith.sampling.cli import examples
 
 
 def _rss_mb() -> float:
@@ -48,8 +50,9 @@ def child(target_name: str, draft_name: str, tokens: int, batch: int, k: int, dt
             "new_tokens": sum(len(t) for t in gen.tokens), "alpha": gen.stats.alpha}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[250, 1000])
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     print(f"{'tokens':>7} {'RSS loaded MB':>14} {'peak RSS MB':>12} {'growth MB':>10} {'KV caches MB':>13} "
           f"{'beyond KV MB':>13} {'seconds':>8}")
     for n in args.tokens:
-        cmd = [sys.executable, __file__, "--target", args.target, "--draft", args.draft, "--child", str(n),
+        cmd = [sys.executable, "-m", "draftsmith.deploy.bench.memory", "--target", args.target, "--draft", args.draft,
+               "--child", str(n),
                "--batch", str(args.batch), "-k", str(args.k), "--dtype", args.dtype]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:

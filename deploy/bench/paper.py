@@ -1,9 +1,9 @@
 """The paper's Table 1 and Figure 1 for any draft+target pair on this machine, with the speed-up model beside them.
 
-    python scripts/bench.py --target smollm2-135m --draft outputs/.../best_draft
-    python scripts/bench.py --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
-    python scripts/bench.py --draft SHALLOW_WIDE_DIR FEATURE_HEAD_DIR      # both kinds side by side, one run
-    python scripts/bench.py --draft DIR --compile --k-sweep 0 1 2 3 4      # our loops with compiled steps
+    draftsmith bench paper --target smollm2-135m --draft outputs/.../best_draft
+    draftsmith bench paper --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
+    draftsmith bench paper --draft SHALLOW_WIDE_DIR FEATURE_HEAD_DIR      # both kinds side by side, one run
+    draftsmith bench paper --draft DIR --compile --k-sweep 0 1 2 3 4      # our loops with compiled steps
 
 Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
 ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
@@ -26,6 +26,7 @@ import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.cli import examples, locate_draft
 from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
@@ -51,12 +52,13 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
         return PrunedHeadDraft(draft, top_tokens(counts, n, [tok.eos_token_id]))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="default: the first draft's bundle's or run's target, else smollm2-135m")
     ap.add_argument("--draft", required=True, nargs="+",
-                    help="draft checkpoint dir(s) (a run's best_draft): independent or feature drafts; several are "
-                         "measured side by side against the same ArS runs")
+                    help="bundle(s), run dir(s) or draft checkpoint dir(s): independent or feature drafts; several "
+                         "are measured side by side against the same ArS runs")
     ap.add_argument("--prompts", nargs="+", default=["code", "english"],
                     help="shipped prompt sets (code, english) or JSONL files with a `prompt` field (optional `domain`)")
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
@@ -78,6 +80,9 @@ def main(argv=None) -> int:
                          "every shape is compiled by an untimed pass over the first prompt")
     args = ap.parse_args(argv)
     try:
+        sources = [locate_draft(d) for d in args.draft]
+        args.draft = [d.path for d in sources]
+        args.target = args.target or sources[0].target or "smollm2-135m"
         tok = load_tokenizer(args.target)
         target = load_model(args.target, args.dtype, device=args.device)
         full_drafts = {}

@@ -1,0 +1,24 @@
+"""The benchmarks, one module a question, each run as `draftsmith bench NAME` (its `main(argv)`):
+
+- `paper`: the paper's Table 1 and Figure 1 for a pair (ArS against SpS, K = 0..8), the speed-up model beside them;
+- `sampler`: our sampler against transformers' `generate` and assisted generation on the same pair;
+- `corpus`: which engine samples the target's corpus faster here, our loop or vLLM;
+- `memory`: a long generation's peak memory against the KV caches it must hold;
+- `store`: the teacher store's peak memory as the corpus grows;
+- `train-memory`: a whole training run's peak memory as its corpus grows;
+- `ablation`: the table and plot of a finished ablation multirun.
+
+Each prints its figures and writes its JSON where told; the figures that matter, with their command, machine and
+date, are in docs/results.md.
+"""
+
+BENCHES = {
+    "paper": ("paper", "the paper's Table 1 and Figure 1 for a draft and its target: ArS vs SpS, K = 0..8"),
+    "sampler": ("sampler", "our sampler against transformers' generate and assisted generation"),
+    "corpus": ("corpus", "which engine samples the target's corpus faster here: our loop or vLLM"),
+    "memory": ("memory", "a long generation's peak memory against its KV caches"),
+    "store": ("store", "the teacher store's peak memory as the corpus grows"),
+    "train-memory": ("train_memory", "a training run's peak memory as its corpus grows"),
+    "ablation": ("ablation", "the table and plot of a finished ablation multirun"),
+}
+

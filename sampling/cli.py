@@ -1,0 +1,65 @@
+"""What the command line's verbs share: the examples in their help, and what a `--draft` path names.
+
+A verb that runs a draft takes what the verb before it made: a bundle (`draftsmith export`: its draft, its target,
+the K it recommends and the settings it was measured at), a run directory (`draftsmith train`: its best draft and
+the target it was trained for), or a draft checkpoint directory itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def examples(doc: str) -> str:
+    """The indented usage lines of a module's docstring, as the `examples:` part of its --help."""
+    lines = [line.strip() for line in doc.splitlines() if line.startswith("    ") and line.strip()]
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft to run, and what its source says about how (None: it does not say)."""
+
+    path: str  # the draft's checkpoint directory
+    target: str | None = None  # the target it was trained or exported for
+    k: int | None = None  # a bundle's recommended K
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k it was measured at
+    alpha: float | None = None  # a bundle's measured acceptance
+    source: str = "checkpoint"  # bundle | run | checkpoint
+
+
+def locate_draft(path: str) -> Draft:
+    """A bundle, a run directory or a draft checkpoint, as a `Draft`; anything else is left to the model loader,
+    which names what is wrong with it."""
+    p = Path(path).expanduser()
+    if (p / "speculative.json").is_file() and (p / "draft").is_dir():
+        spec, ref = (_json(p / name) for name in ("speculative.json", "target.json"))
+        target = str(p / "target") if ref.get("path") == "target" else ref.get("path")
+        return Draft(str(p / "draft"), target, spec.get("recommended_k"), spec.get("sampling") or {},
+                     spec.get("alpha"), "bundle")
+    if (p / "best_draft").is_dir():
+        cfg = _run_config(p)
+        sampler = cfg.get("sampler") or {}
+        return Draft(str(p / "best_draft"), (cfg.get("target") or {}).get("name"), None,
+                     {k: sampler[k] for k in ("temperature", "top_p", "top_k") if k in sampler}, None, "run")
+    return Draft(str(p))
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({type(e).__name__}): export the bundle again") from None
+
+
+def _run_config(run: Path) -> dict:
+    """The run's resolved config as Hydra saved it (`.hydra/config.yaml`), or {}."""
+    import yaml
+
+    f = run / ".hydra" / "config.yaml"
+    try:
+        return yaml.safe_load(f.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
