@@ -45,7 +45,7 @@ from draftsmith.sampling.machine import default_device, device_of
 from draftsmith.sampling.precision import describe_run, device_name, run_info
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
 from draftsmith.train.evaluate import acceptance_by_set
-from draftsmith.train.report import draft_from_checkpoint, save_draft
+from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -369,8 +369,9 @@ def main(argv=None, prog=None) -> int:
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--device", default=default_device(),
                     help="where the pair is measured, the device the bundle will serve on (default: %(default)s)")
-    ap.add_argument("--no-wandb", action="store_true",
-                    help="do not log the bundle as an artifact of the run's W&B run (logged when the run used W&B)")
+    ap.add_argument("--wandb", action="store_true",
+                    help="also log the bundle as an artifact of the run's W&B run (a run that logged to W&B; off by "
+                         "default, so exporting needs none of the trainer's packages)")
     args = ap.parse_args(argv)
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
@@ -386,7 +387,7 @@ def main(argv=None, prog=None) -> int:
     print(f"  c {spec['c']:.3f}  recommended K {spec['recommended_k']} "
           f"(predicted {spec['predicted_speedup'][str(spec['recommended_k'])]:.2f}x)")
     run_dir = args.src if (args.src / "best_draft").is_dir() else None
-    run_id = None if args.no_wandb or run_dir is None else log_bundle(run_dir, out, spec)
+    run_id = log_bundle(run_dir, out, spec) if args.wandb and run_dir is not None else None
     if run_id:
         print(f"  logged to W&B run {run_id} as artifact bundle-{run_id}")
     return 0

@@ -55,7 +55,7 @@ fi
 if on 2; then
     step smoke_bf16 240 train recipe=smoke trainer=gpu trainer.devices=1 trainer.precision=bf16-mixed \
         hydra.run.dir="$OUT/smoke" && show smoke_bf16 "best draft|alpha|c =|throughput|peak GPU"
-    step smoke_export 180 "$PY" -m draftsmith.deploy.cli export "$OUT/smoke" --out "$OUT/smoke_bundle" --device cuda --no-wandb \
+    step smoke_export 180 "$PY" -m draftsmith.deploy.cli export "$OUT/smoke" --out "$OUT/smoke_bundle" --device cuda \
         && show smoke_export "bundle|alpha|recommended"
 fi
 TARGET8B="random:llama3-8b-shape"

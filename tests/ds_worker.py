@@ -11,8 +11,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import draftsmith.train  # noqa: F401  (registers the config schema recipes/draft.yaml starts from)
+from draftsmith.train.schema import register
 
+register()  # the config schema recipes/draft.yaml starts from
 stage, out = int(sys.argv[1]), Path(sys.argv[2])
 recipes = Path(__file__).resolve().parent.parent / "recipes"
 with initialize_config_dir(config_dir=str(recipes), version_base="1.3"):

@@ -312,7 +312,7 @@ def test_the_feature_tap_concatenates_a_target_split_over_two_devices():
 def test_a_sharded_drafts_checkpoint_is_rebuilt_where_it_will_run(tmp_path):
     from conftest import tiny_llama
 
-    from draftsmith.train.report import draft_from_checkpoint
+    from draftsmith.train.saved import draft_from_checkpoint
 
     draft = tiny_llama(vocab=64, layers=1, seed=1)
     torch.save({"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}}, tmp_path / "last.ckpt")
@@ -329,7 +329,7 @@ def test_a_bundles_draft_loads_back_onto_the_device(kind, tmp_path):
 
     from draftsmith.sampling.load import load_model
     from draftsmith.sampling.pruned import PrunedHeadDraft
-    from draftsmith.train.report import save_draft
+    from draftsmith.train.saved import save_draft
 
     tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(_tiny_random_dir())
     if kind == "pruned":

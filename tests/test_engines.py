@@ -30,7 +30,7 @@ def demo_bundle(demo_target, tmp_path_factory):
     from draftsmith.sampling.load import resolve
     from draftsmith.sampling.pruned import top_tokens
     from draftsmith.train.build import truncated_target
-    from draftsmith.train.report import save_draft
+    from draftsmith.train.saved import save_draft
 
     target, tok = demo_target
     root = tmp_path_factory.mktemp("engines")

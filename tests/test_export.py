@@ -136,7 +136,8 @@ def test_export_logs_the_bundle_to_the_runs_wandb_run(smoke_run, tmp_path):
     shutil.copytree(smoke_run[0], run)
     run_id = (run / "wandb_id").read_text().strip()
     before = set((run / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert main([str(run), "--out", str(tmp_path / "bundle"), "--n-prompts", "1", "--max-new-tokens", "8"]) == 0
+    assert main([str(run), "--out", str(tmp_path / "bundle"), "--n-prompts", "1", "--max-new-tokens", "8",
+                 "--wandb"]) == 0
     (new,) = set((run / "wandb").glob("offline-run-*/run-*.wandb")) - before
     recs = wandb_records(new)
     assert {r.run.run_id for r in recs if r.WhichOneof("record_type") == "run"} == {run_id}
@@ -144,8 +145,7 @@ def test_export_logs_the_bundle_to_the_runs_wandb_run(smoke_run, tmp_path):
     assert art.type == "bundle" and art.name == f"bundle-{run_id}"
     files = {e.path for e in art.manifest.contents}
     assert {"speculative.json", "vllm_speculative_config.json", "draft/model.safetensors", "README.md"} <= files
-    assert main([str(run), "--out", str(tmp_path / "b2"), "--n-prompts", "1", "--max-new-tokens", "8",
-                 "--no-wandb"]) == 0
+    assert main([str(run), "--out", str(tmp_path / "b2"), "--n-prompts", "1", "--max-new-tokens", "8"]) == 0
     assert len(set((run / "wandb").glob("offline-run-*/run-*.wandb"))) == len(before) + 1
 
 

@@ -178,7 +178,7 @@ def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
     from draftsmith.train.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
     from draftsmith.train.onpolicy import Batch, HeadRows
-    from draftsmith.train.report import save_draft
+    from draftsmith.train.saved import save_draft
     from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)

@@ -10,7 +10,6 @@ import deepspeed
 import torch
 from conftest import tiny_llama
 
-import draftsmith.train  # noqa: F401
 from draftsmith.train.callbacks import standalone
 from draftsmith.train.losses import draft_loss
 from draftsmith.train.module import DraftModule

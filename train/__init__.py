@@ -1,6 +1,3 @@
-"""Training drafts: Lightning + Hydra. Importing it registers the config schema (`schema.py`) that
-`recipes/draft.yaml` starts from, so any Hydra compose of the recipes finds it."""
-
-from draftsmith.train import schema
-
-schema.register()
+"""Training drafts: Lightning + Hydra. The entry (`train/draft.py`, `draftsmith train`) registers the config schema
+(`schema.py`) that `recipes/draft.yaml` starts from; importing this package loads neither, so the deploy path (export,
+deploy-check) needs no trainer."""

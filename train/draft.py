@@ -72,6 +72,7 @@ from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writab
 from draftsmith.train.teacher import TeacherCache
 from draftsmith.train.tracking import log_config, log_draft, loggers
 
+schema.register()  # recipes/draft.yaml starts from it: registered before Hydra composes
 log = logging.getLogger("draftsmith")
 
 

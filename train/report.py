@@ -12,40 +12,12 @@ import torch
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
-from draftsmith.sampling.pruned import HEAD_TOKENS, TOKEN_COUNTS, PrunedHeadDraft
+from draftsmith.sampling.pruned import PrunedHeadDraft
 from draftsmith.train.build import truncated_target
 from draftsmith.train.evaluate import acceptance_by_set
-from draftsmith.train.rundir import checkpoint_state, sharded
-
-
-def draft_from_checkpoint(draft, ckpt_path: str, rebuild: bool = False, device=None):
-    """A copy of `draft` with the weights of a training checkpoint (`checkpoint_state`: a Lightning file or a
-    DeepSpeed directory), on `device` (default: the draft's); a draft whose parameters ZeRO-3 or FSDP split
-    (`rebuild`) is rebuilt from its config there (its shards' device says nothing of where it will run)."""
-    state = checkpoint_state(ckpt_path)
-    if rebuild:
-        with torch.device(device or "cpu"):
-            out = type(draft)(draft.config)
-    else:
-        out = copy.deepcopy(draft).to(device or device_of(draft))
-    out.load_state_dict({k.removeprefix("draft."): v for k, v in state.items() if k.startswith("draft.")})
-    return out.eval()
-
-
-def save_draft(draft, tokenizer, path: Path, token_counts: torch.Tensor | None = None,
-               head_tokens: torch.Tensor | None = None) -> Path:
-    """safetensors + config + tokenizer + generation config: loadable by AutoModelForCausalLM as is. The corpus'
-    token counts ride along (`TOKEN_COUNTS`) for an exact pruned draft head (sampling/pruned.py), and the head's
-    tokens (`HEAD_TOKENS`) of a draft trained with a pruned head, which `load_model` then runs with it."""
-    from safetensors.torch import save_file
-
-    draft.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    for name, key, tensor in ((TOKEN_COUNTS, "counts", token_counts), (HEAD_TOKENS, "token_ids", head_tokens)):
-        if tensor is not None:
-            (path / name).parent.mkdir(exist_ok=True)
-            save_file({key: tensor.detach().cpu().contiguous()}, path / name)
-    return path
+from draftsmith.train.plots import plot_report
+from draftsmith.train.rundir import sharded
+from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 
 def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
@@ -110,60 +82,6 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     plot_report(report, out_dir / "acceptance.png")
     return report
-
-
-def plot_report(report: dict, path: Path) -> None:
-    """The run at a glance: acceptance at each validation (left), the final drafts' acceptance on each prompt set,
-    sampled and teacher-forced on the target's samples, against the cut-target baseline (middle), and the best
-    draft's acceptance at each draft position (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right, third) = plt.subplots(1, 3, figsize=(17, 4.2))
-    hist = report["validation_history"]
-    for key, style in (("val/alpha_on_target", "o-"), ("val/alpha", "s--"), ("val/alpha_analytic", "^:")):
-        pts = [(h["step"], h[key]) for h in hist if key in h]
-        if pts:
-            left.plot(*zip(*pts), style, label=key)
-    left.set_xlabel("step")
-    left.set_ylabel("acceptance")
-    left.set_title(f"validation ({report['monitor']} best {report['best_score'] or float('nan'):.3f})")
-    left.legend()
-    names, sets = list(report["eval"]), sorted({ps for r in report["eval"].values() for ps in r})
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(sets))]
-        right.bar(xs, [report["eval"][name][ps]["alpha_on_target"] for ps in sets], width, label=name)
-        right.scatter(xs, [report["eval"][name][ps]["alpha"] for ps in sets], color="black", s=12, zorder=3)
-    right.set_xticks(range(len(sets)), sets)
-    s = report["sampler"]
-    right.set_ylabel("alpha_on_target (bars), alpha (dots)")
-    right.set_title(f"final drafts, T {s['temperature']}, top-p {s['top_p']}, K {s['k']}; c {report['c']:.3f}")
-    right.legend()
-    acceptance_by_position(third, report["eval"].get("best", {}))
-    third.set_title("best draft: " + third.get_title())
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def acceptance_by_position(ax, acceptance: dict) -> None:
-    """Acceptance at each draft position, given the position was reached, per prompt set, against alpha (dotted):
-    the paper's i.i.d. assumption makes it flat, and tokens per call then follow from alpha alone."""
-    for name, r in acceptance.items():
-        pts = [(i + 1, a) for i, a in enumerate(r.get("acceptance_by_position") or []) if a is not None]
-        if pts:
-            line, = ax.plot(*zip(*pts), "o-", label=f"{name} (alpha {r['alpha']:.3f})")
-            ax.axhline(r["alpha"], ls=":", color=line.get_color())
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("P(token i accepted | reached)")
-    ax.set_title("acceptance by position (dotted: alpha)")
-    ax.set_ylim(0, 1)
-    if ax.lines:
-        ax.legend()
 
 
 def print_report(report: dict) -> None:

@@ -89,18 +89,6 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
     return str(path)
 
 
-def checkpoint_state(path) -> dict[str, torch.Tensor]:
-    """The module's state dict from a training checkpoint: a Lightning file (read with weights_only=True), or a
-    DeepSpeed ZeRO directory, its shards consolidated to fp32 by DeepSpeed's own reader (files this run wrote)."""
-    path = Path(path)
-    if path.is_dir():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path))
-        return {k.removeprefix("_forward_module."): v for k, v in state.items()}
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 def partitioned(model) -> bool:
     """True when DeepSpeed ZeRO-3 holds this model's parameters in shards (each rank sees an empty tensor)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
