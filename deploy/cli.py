@@ -9,6 +9,7 @@ verb imports its module when it runs).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
@@ -67,10 +68,13 @@ def _hydra(verb: str, overrides: list[str], summary: str, example: str) -> int:
         return 0
     if verb == "plan":
         overrides = [*overrides, "plan=true"]
-    draft = import_module("draftsmith.train.draft")
-    sys.argv = [f"draftsmith {verb}", *overrides]
-    draft.main()  # a Hydra app: reads sys.argv, exits non-zero itself on a refused setting
-    return 0
+    from importlib.util import find_spec
+
+    entry = find_spec("draftsmith.train.draft").origin
+    # this process becomes `python train/draft.py OVERRIDES` itself: Lightning's own launcher starts a run's other
+    # ranks by running this process' script again (a console script, or `-m draftsmith.deploy.cli`, would start them
+    # as another verb), and Hydra names the job after it
+    os.execv(sys.executable, [sys.executable, entry, *overrides])
 
 
 def _bench(argv: list[str]) -> int:

@@ -104,3 +104,15 @@ def test_one_command_lists_its_verbs_and_each_shows_an_example(capsys):
     assert main(["bench", "nope"]) == 2
     with pytest.raises(SystemExit):
         main(["nope"])
+
+
+@pytest.mark.slow
+def test_the_train_verb_is_the_training_entry_under_lightnings_own_launcher(tmp_path):
+    """`draftsmith train ... trainer=ddp`: Lightning starts the second rank by running this process' script again,
+    which must be the training entry (the command line's own script would start it as another verb)."""
+    res = subprocess.run([sys.executable, "-m", "draftsmith.deploy.cli", "train", "recipe=smoke", "trainer=ddp",
+                          "trainer.max_steps=2", "trainer.val_check_interval=2", "eval.baseline=false", "logger=csv",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "world size 2" in res.stdout + res.stderr and (tmp_path / "run" / "best_draft" / "config.json").is_file()
