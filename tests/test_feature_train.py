@@ -55,7 +55,7 @@ def test_teacher_pass_alignment(pair):
 
 
 def test_fc_starts_as_the_top_feature_at_unit_scale():
-    """Raw hidden states dwarf what a new layer adds (docs/feature_head): fc starts as the highest feature layer's
+    """Raw hidden states dwarf what a new layer adds (docs/defaults.md): fc starts as the highest feature layer's
     state divided by its median RMS per token on the probe, so the fused input has median RMS 1 there."""
     target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
     probe = torch.randint(0, 30, (3, 12), generator=torch.Generator().manual_seed(2))

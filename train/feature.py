@@ -41,8 +41,8 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         # The target's hidden states are large (SmolLM2-135M, entering layer 27: median RMS 23 per token, 2e4 at the
         # first one), so a default fc fed the residual a random vector of RMS ~30 to which the new layer added
         # ~0.02: the token it reads barely counted. Starting fc as the highest layer's state at RMS ~1 puts the
-        # residual where the target's final norm and head read, at the layer's own scale (docs/feature_head:
-        # val/alpha_on_target 0.297 -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313).
+        # residual where the target's final norm and head read, at the layer's own scale (val/alpha_on_target 0.297
+        # -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313: docs/results.md, "The feature head").
         H = cfg.target_hidden_size
         draft.fc.weight.zero_()
         draft.fc.weight[:, 2 * H:] = torch.eye(H, device=dev) / _top_feature_scale(target, cfg.feature_layers, probe)

@@ -118,7 +118,7 @@ class OnPolicy:
         """`draft`: the model that samples, or a function that builds it, called only when rows are sampled (the
         sampler's pruned-head view of a draft copies its head). `progress`: the fraction of training done; before
         `start` the batch stays as it is (a cold draft's samples are not text: distilling on them from the first
-        step collapsed acceptance, docs/ablation)."""
+        step collapsed acceptance: docs/results.md, "What trains the best draft")."""
         B, T = ids.shape
         n = self.rows(B) if progress >= self.start else 0
         if n == 0:

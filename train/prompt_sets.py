@@ -4,7 +4,7 @@
 
 Why: the default recipe samples the target for a fixed time, so on a slow CPU it reaches ~660 samples: from
 train.jsonl's 126 prompts that is five of each, from these 1351 it is 660 topics. (On an AMX Xeon, whose 14 minutes
-give ~1700 samples, the two files trained drafts accepted alike: docs/ablation.) What is written, interleaved so
+give ~1700 samples, the two files trained drafts accepted alike: docs/results.md.) What is written, interleaved so
 that any prefix past the hand-written prompts (what a time-limited sampler reaches) is about half code:
 - train.jsonl's hand-written prompts, first;
 - code: the signature and the docstring's first line of documented top-level functions of this Python's standard

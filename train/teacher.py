@@ -14,7 +14,8 @@ visit it is.
 
 A feature draft (EAGLE-3) also reads the target's hidden states at three layers: with `features` they are kept
 too (fp16; 3 x 576 values a position for the demo target, whose largest is ~25k), so its later epochs run without
-the target as well (EAGLE's offline mode), which nearly halves a feature step (docs/feature_head).
+the target as well (EAGLE's offline mode): 1.3-1.5 s a feature step against 1.9-2.2 s with its pass (docs/results.md,
+"The feature head").
 
 On the target's own samples even the first visit needs no pass: the target computed these logits (and features)
 when it sampled the corpus, and `generate_corpus` keeps them (`prefill`). Those blocks lack a teacher where the
