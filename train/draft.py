@@ -58,6 +58,7 @@ from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
 from draftsmith.train.report import final_report, print_report
 from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
+from draftsmith.train.strategy import build_strategy
 from draftsmith.train.teacher import TeacherCache
 from draftsmith.train.tracking import log_config, log_draft, loggers
 
@@ -167,8 +168,8 @@ def train(cfg: DictConfig) -> dict:
                               enable_version_counter=False)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer)
     trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
-    if isinstance(trainer_kwargs.get("strategy"), dict):
-        trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
+    if isinstance(trainer_kwargs.get("strategy"), dict):  # FSDP wraps by the draft's layer class (train/strategy.py)
+        trainer_kwargs["strategy"] = build_strategy(cfg.trainer.strategy, draft)
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"] = [AtomicCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
