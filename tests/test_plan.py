@@ -1,6 +1,8 @@
 """`plan=true`: the draft's shape and each rank's memory under each strategy, from a target's config alone. The
 figures are checked where they can be: against a tiny draft actually built and stepped with AdamW."""
 
+import gc
+
 import pytest
 import torch
 from conftest import run_entry
@@ -10,8 +12,8 @@ from draftsmith.train.build import DraftConfig, draft_config_for
 from draftsmith.train.plan import plan
 
 
-def tiny_target_config():
-    return LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=320, num_hidden_layers=20,
+def tiny_target_config(vocab=300):
+    return LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=320, num_hidden_layers=20,
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 
@@ -35,6 +37,52 @@ def test_plan_counts_what_a_built_and_stepped_draft_holds():
     assert p.per_rank("fsdp") == z3 and ddp["target (bf16 replica)"] == 2 * p.target_params
     with pytest.raises(ValueError, match="unknown strategy"):
         p.per_rank("zero9")
+
+
+def _live_bytes(prof, marker: str | None) -> tuple[int, int]:
+    """(peak of the live bytes allocated in the profiled block, peak of those allocated since the last `marker`
+    event). Each allocation is followed by its address in the profiler's allocation records, so a tensor freed in
+    the block that was allocated before it (garbage of an earlier test, a tensor held when the marker passed) does
+    not offset what the block allocates."""
+    allocations, marks, todo = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == marker:
+            marks.append(node.start_time_ns)
+    at = max(marks) if marks else float("inf")
+    peaks, live, held = [0, 0], [0, 0], [{}, {}]  # [everything in the block, what is allocated after the marker]
+    for t, ptr, n in sorted(allocations):
+        for k in (0, 1):
+            if n > 0 and (k == 0 or t >= at):
+                held[k][ptr] = n
+                live[k] += n
+            elif n < 0 and held[k].pop(ptr, None) is not None:
+                live[k] += n
+            peaks[k] = max(peaks[k], live[k])
+    return peaks[0], peaks[1]
+
+
+def test_a_teacher_forced_pass_builds_no_kv_cache():
+    """The target's teacher pass keeps no KV cache: no grad, so nothing else holds its keys and values, and they
+    would sit beside the draft's logits until the pass returns (2 x layers x tokens x KV width x 2 bytes: 2.7 GB a
+    micro-batch at 70B, in no row of the plan)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftsmith.train.onpolicy import Batch
+
+    tc = tiny_target_config(2000)
+    target = AutoModelForCausalLM.from_config(tc).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 2000, (4, 128))
+    gc.collect()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = Batch(ids).logits(target)
+    peak, _ = _live_bytes(prof, None)
+    tokens, kv = 4 * 127, tc.num_key_value_heads * tc.hidden_size // tc.num_attention_heads
+    cache = 2 * tc.num_hidden_layers * tokens * kv * 2
+    assert logits.numel() * 2 <= peak < logits.numel() * 2 + cache / 2, (peak, cache)
 
 
 def test_plan_for_the_70b_shape_prints_the_papers_ratio(tmp_path):
