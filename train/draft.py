@@ -268,18 +268,51 @@ def _plan(cfg) -> dict:
 
     from draftsmith.sampling.load import resolve
     from draftsmith.train.build import draft_config_for
-    from draftsmith.train.plan import plan, print_plan
+    from draftsmith.train.losses import DIVERGENCES
+    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, plan, print_plan
 
     draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
         raise SetupError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
     target_config = AutoConfig.from_pretrained(resolve(cfg.target.name))
     devices = cfg.trainer.get("devices", 1)
-    ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)
+    devices = devices if isinstance(devices, int) else 1
+    ranks = devices * int(cfg.trainer.get("num_nodes", 1) or 1)
+    # the target's placement as training decides it (a target.ranks=first the run would refuse is refused here)
+    loss = cfg.loss
+    topk = loss.get("teacher_topk", 0)
+    distill = loss.get("distill", True) and any(loss.weights.get(n, 0) for n in DIVERGENCES)
+    why = _training_calls_target(cfg, False, False, topk or None, bool(cfg.data.generated.enabled))
+    first = _target_ranks(_target_ranks_setting(cfg), why) and ranks > 1
+    precision = str(cfg.trainer.get("precision", "auto"))  # auto: what a GPU with bf16 picks (sampling/precision.py)
+    teacher = "none" if not distill else "kept" if topk else "replica"
     p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
-             cfg.data.block_size, devices if isinstance(devices, int) else 1)
-    print_plan(p, cfg.target.name, target_config)
-    return {"plan": {s: p.per_rank(s) for s in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")}}
+             cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
+             compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
+             columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2)
+    if cfg.get("plan_device_gib"):
+        device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
+    elif torch.cuda.is_available():
+        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        source = f"this machine's {torch.cuda.get_device_name(0)}; plan_device_gib=N for another"
+    else:
+        device_gib, source = DEFAULT_DEVICE_GIB, "an 80 GB H100 or A100; plan_device_gib=N for another GPU"
+    print_plan(p, cfg.target.name, target_config, device_gib, source, _strategy_name(cfg.trainer))
+    return {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+
+
+def _strategy_name(trainer) -> str | None:
+    """The plan's name for the trainer's strategy; None for one it does not size."""
+    st = trainer.get("strategy", "auto")
+    if isinstance(st, (dict, DictConfig)):
+        target = str(st.get("_target_", ""))
+        if target.endswith("DeepSpeedStrategy"):
+            return f"deepspeed_stage_{st.get('stage', 2)}"
+        return "fsdp" if target.endswith("FSDPStrategy") else None
+    st = str(st)
+    if st in ("auto", "ddp", "ddp_spawn", "single_device") or st.startswith("ddp"):
+        return "ddp"  # Lightning's auto picks DDP for several devices, one device alone for one (ddp's row at 1)
+    return st if st in ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp") else None
 
 
 def _prepare_corpus(cfg, target, tok, file_prompts) -> dict:
