@@ -51,6 +51,7 @@ from draftsmith.train.data import (
     rows_digest,
     validation_prompts,
 )
+from draftsmith.train.diskfull import DiskFull
 from draftsmith.train.feature import build_feature_draft
 from draftsmith.train.generation import EngineCheck, EngineError, choose_engine, measure_engines
 from draftsmith.train.module import DraftModule
@@ -449,7 +450,7 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ModelNotFound, CorpusError, EngineError, SetupError, ValueError, FloatingPointError) as e:
+    except (ModelNotFound, CorpusError, EngineError, SetupError, ValueError, FloatingPointError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
