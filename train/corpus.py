@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling.load import stdlib_sources
 from draftsmith.sampling.machine import atomic_path, cache_home
+from draftsmith.train.diskfull import disk_full
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -210,10 +210,11 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
         raise CorpusError(f"corpus {source} is too small: {total} tokens make {len(out['train'])} train and "
                           f"{len(out['val'])} val blocks of {block_size}; need {min_train_blocks} and "
                           f"{min_val_blocks} (lower data.block_size or add text)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(out, tmp)
-    os.replace(tmp, path)
+    need = sum(t.numel() * t.element_size() for t in out.values())
+    with disk_full("the tokenized blocks", path, need=need, then="free space there or point DRAFTSMITH_HOME at a "
+                   "larger disk, and rerun (the corpus is tokenized again; nothing else was written)"), \
+            atomic_path(path) as tmp:  # a torn file is removed, never left under the cache's name
+        save_file(out, tmp)
     return out
 
 
@@ -287,14 +288,23 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
         print(store_estimate(len(jobs), max_new_tokens, keep_logits, 3 * target.config.hidden_size
                              if keep_features and engine != "vllm"
                              else 0, max(len(r) for r in rows), where=out_path.parent), flush=True)
-    new_tokens, t0 = 0, time.perf_counter()
+    new_tokens, t0, written = 0, time.perf_counter(), [done]
+
+    def left() -> float:  # the rest of this corpus: rows as large as those written, and their kept logits
+        rows_left = len(jobs) - written[0]
+        row = out_path.stat().st_size / written[0] if written[0] and out_path.exists() else 8 * (max_new_tokens + 64)
+        return rows_left * (row + (max_new_tokens * keep_logits * (2 + 4) if keep_logits else 0))
+
+    full = disk_full(f"the target's samples ({engine})", out_path, need=left, then=lambda: (
+        f"free space or point DRAFTSMITH_HOME at a larger disk, and rerun: the {written[0]} samples written are "
+        "kept and sampling continues after them"))
     # with a time box the bar runs over the box's seconds (its ETA is the box's end, not that of the ceiling of
     # samples, which a box is not meant to reach); the samples go in the postfix
     boxed = max_seconds is not None
     bar_kw = (dict(total=round(max_seconds), unit="s", bar_format="{desc}: {percentage:3.0f}%|{bar}| "
                    "{elapsed} of the {total}s time box{postfix}") if boxed else dict(total=len(jobs), initial=done))
-    with out_path.open("a") as f, tqdm(desc=f"target-generated corpus ({engine})", disable=not progress,
-                                       **bar_kw) as bar, closing(batches):
+    with full, out_path.open("a") as f, tqdm(desc=f"target-generated corpus ({engine})", disable=not progress,
+                                             **bar_kw) as bar, closing(batches):
         for start, prompt_ids, tokens, record, _ in batches:
             if record is not None:  # before the rows: a row in the file always has its logits, a torn batch is redone
                 _write_logits(out_path, done + start, record)
@@ -306,7 +316,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
             f.flush()
             new_tokens += sum(len(t) for t in tokens)
             elapsed = time.perf_counter() - t0
-            n = done + start + len(tokens)
+            n = written[0] = done + start + len(tokens)
             bar.set_postfix_str(f"{n}/{len(jobs)} samples, {new_tokens / elapsed:.0f} tokens/s, batch {len(tokens)}",
                                 refresh=False)
             bar.update(min(round(elapsed), bar.total) - bar.n if boxed else len(tokens))

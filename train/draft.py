@@ -50,6 +50,7 @@ from draftsmith.train.data import (
     rows_digest,
     validation_prompts,
 )
+from draftsmith.train.diskfull import DiskFull
 from draftsmith.train.feature import build_feature_draft
 from draftsmith.train.generation import EngineCheck, EngineError, choose_engine, measure_engines
 from draftsmith.train.launch import (
@@ -69,6 +70,7 @@ from draftsmith.train.progress import RunProgress
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
 from draftsmith.train.report import final_report, print_report
 from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
+from draftsmith.train.strategy import build_strategy
 from draftsmith.train.teacher import TeacherCache
 from draftsmith.train.tracking import log_config, log_draft, loggers
 
@@ -186,8 +188,8 @@ def train(cfg: DictConfig) -> dict:
     trainer_kwargs = OmegaConf.to_container(cfg.trainer)
     trainer_kwargs["precision"] = trainer_precision(str(trainer_kwargs["precision"]), trainer_kwargs["accelerator"])
     trainer_kwargs["plugins"] = [cluster_environment(launch)]  # Lightning counts the ranks as we do
-    if isinstance(trainer_kwargs.get("strategy"), dict):
-        trainer_kwargs["strategy"] = instantiate(cfg.trainer.strategy)
+    if isinstance(trainer_kwargs.get("strategy"), dict):  # FSDP wraps by the draft's layer class (train/strategy.py)
+        trainer_kwargs["strategy"] = build_strategy(cfg.trainer.strategy, draft)
     elif "deepspeed" not in str(trainer_kwargs.get("strategy", "")):  # DeepSpeed writes directories of its own
         trainer_kwargs["plugins"].append(AtomicCheckpointIO())
     trainer = L.Trainer(**trainer_kwargs, default_root_dir=str(out_dir),
@@ -285,18 +287,51 @@ def _draft_config(cfg) -> DraftConfig:
 def _plan(cfg) -> dict:
     from draftsmith.sampling.load import config_of
     from draftsmith.train.build import draft_config_for
-    from draftsmith.train.plan import plan, print_plan
+    from draftsmith.train.losses import DIVERGENCES
+    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, plan, print_plan
 
     draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
         raise SetupError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
     target_config = config_of(cfg.target.name)
     devices = cfg.trainer.get("devices", 1)
-    ranks = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1) or 1)
+    devices = devices if isinstance(devices, int) else 1
+    ranks = devices * int(cfg.trainer.get("num_nodes", 1) or 1)
+    # the target's placement as training decides it (a target.ranks=first the run would refuse is refused here)
+    loss = cfg.loss
+    topk = loss.get("teacher_topk", 0)
+    distill = loss.get("distill", True) and any(loss.weights.get(n, 0) for n in DIVERGENCES)
+    why = _training_calls_target(cfg, False, False, topk or None, bool(cfg.data.generated.enabled))
+    first = _target_ranks(_target_ranks_setting(cfg), why) and ranks > 1
+    precision = str(cfg.trainer.get("precision", "auto"))  # auto: what a GPU with bf16 picks (sampling/precision.py)
+    teacher = "none" if not distill else "kept" if topk else "replica"
     p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
-             cfg.data.block_size, devices if isinstance(devices, int) else 1)
-    print_plan(p, cfg.target.name, target_config)
-    return {"plan": {s: p.per_rank(s) for s in ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")}}
+             cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
+             compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
+             columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2)
+    if cfg.get("plan_device_gib"):
+        device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
+    elif torch.cuda.is_available():
+        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        source = f"this machine's {torch.cuda.get_device_name(0)}; plan_device_gib=N for another"
+    else:
+        device_gib, source = DEFAULT_DEVICE_GIB, "an 80 GB H100 or A100; plan_device_gib=N for another GPU"
+    print_plan(p, cfg.target.name, target_config, device_gib, source, _strategy_name(cfg.trainer))
+    return {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+
+
+def _strategy_name(trainer) -> str | None:
+    """The plan's name for the trainer's strategy; None for one it does not size."""
+    st = trainer.get("strategy", "auto")
+    if isinstance(st, (dict, DictConfig)):
+        target = str(st.get("_target_", ""))
+        if target.endswith("DeepSpeedStrategy"):
+            return f"deepspeed_stage_{st.get('stage', 2)}"
+        return "fsdp" if target.endswith("FSDPStrategy") else None
+    st = str(st)
+    if st in ("auto", "ddp", "ddp_spawn", "single_device") or st.startswith("ddp"):
+        return "ddp"  # Lightning's auto picks DDP for several devices, one device alone for one (ddp's row at 1)
+    return st if st in ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp") else None
 
 
 def _prepare_corpus(cfg, target, tok, file_prompts, home: Path) -> dict:
@@ -462,7 +497,8 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ModelNotFound, CorpusError, EngineError, SetupError, LaunchError, ValueError, FloatingPointError) as e:
+    except (ModelNotFound, CorpusError, EngineError, SetupError, LaunchError, ValueError, FloatingPointError,
+            DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from draftsmith.sampling.machine import atomic_path
 from draftsmith.train.launch import detect
+from draftsmith.train.diskfull import disk_full
 
 
 class SetupError(ValueError):
@@ -109,5 +110,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the previous checkpoint in place, never a truncated one under the real name."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        with atomic_path(path) as tmp:
+        need = sum(t.numel() * t.element_size() for t in _tensors(checkpoint))
+        with disk_full("checkpoint", path, need=need, then="the checkpoints written before are whole: free space "
+                       "(older run directories, their checkpoints/) and resume with ckpt_path=last"), \
+                atomic_path(path) as tmp:
             super().save_checkpoint(checkpoint, tmp, storage_options)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

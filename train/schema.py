@@ -70,6 +70,7 @@ class Draftsmith:
     out_dir: str = MISSING
     ckpt_path: Optional[str] = None
     plan: bool = False
+    plan_device_gib: Optional[float] = None  # the GPU memory plan=true holds the totals against (train/plan.py)
     optim: Optim = field(default_factory=Optim)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)

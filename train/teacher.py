@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.train.diskfull import disk_full
+
 
 class TeacherCache:
     """Top-k target logits for `rows` blocks of `positions` label positions each, filled on first use. With
@@ -60,7 +62,8 @@ class TeacherCache:
             self._parts.append(("features", torch.float16, (P, features)))
         self._bytes = [math.prod(shape) * torch.empty(0, dtype=dt).element_size() for _, dt, shape in self._parts]
         self.record = sum(self._bytes)
-        self._file = tempfile.TemporaryFile(dir=directory)
+        self.directory = Path(directory or tempfile.gettempdir())
+        self._file = tempfile.TemporaryFile(dir=self.directory)
         self._file.truncate(rows * self.record)
         self.filled = torch.zeros(rows, dtype=torch.bool)
         self.known = None  # (rows, positions) bool once blocks are prefilled; None: every position of a filled block
@@ -97,8 +100,14 @@ class TeacherCache:
         blob = torch.cat([parts[name].detach().cpu().to(dtype).contiguous().view(len(rows), -1).view(torch.uint8)
                           for name, dtype, _ in self._parts], 1).numpy()
         fd = self._file.fileno()
-        for i, r in enumerate(rows.tolist()):
-            os.pwrite(fd, blob[i].tobytes(), r * self.record)
+        with disk_full("the teacher store (the target's kept logits)", self.directory,
+                       need=self.rows * self.record, then="free space there (the store is a temporary file of the "
+                       "run directory) and resume with ckpt_path=last; the store refills as it did"):
+            for i, r in enumerate(rows.tolist()):
+                data, at = memoryview(blob[i].tobytes()), r * self.record
+                while data:  # pwrite may write part of a record (a disk filling up): the rest, or the error
+                    n = os.pwrite(fd, data, at)
+                    data, at = data[n:], at + n
 
     # -- filling --------------------------------------------------------------------------------------------------
     def prefill(self, src: torch.Tensor, values: torch.Tensor, index: torch.Tensor, min_known: float = 0.5,
