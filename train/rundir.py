@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from draftsmith.sampling.machine import atomic_path
-from draftsmith.train.launch import detect
 from draftsmith.train.diskfull import disk_full
+from draftsmith.train.launch import detect
 
 
 class SetupError(ValueError):
