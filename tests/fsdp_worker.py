@@ -13,9 +13,11 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import draftsmith.train  # noqa: F401  (registers the config schema recipes/draft.yaml starts from)
 from draftsmith.train.build import DraftConfig, draft_config_for
+from draftsmith.train.schema import register
 from draftsmith.train.strategy import build_strategy
+
+register()  # the config schema recipes/draft.yaml starts from
 
 out, freeze = Path(sys.argv[1]), sys.argv[2] == "frozen"
 dist.init_process_group("gloo")

@@ -492,7 +492,7 @@ def _target_device(cfg) -> str:
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="draft")
-def main(cfg: DictConfig) -> float | None:
+def app(cfg: DictConfig) -> float | None:
     """The objective a Hydra sweeper maximises: the best `checkpoint.monitor` (val/alpha_on_target by default)."""
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
@@ -501,6 +501,16 @@ def main(cfg: DictConfig) -> float | None:
             DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main() -> None:
+    """`python train/draft.py OVERRIDES` (and `draftsmith train`): the overrides checked in one line, then the run."""
+    try:
+        schema.preflight(sys.argv[1:], RECIPES)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    app()
 
 
 if __name__ == "__main__":
