@@ -2,7 +2,8 @@
 the extras add what a user installs for (`train`, `deepspeed`, `engines`; `dev` for these tests). Every third-party
 import of a layer is declared where that layer is installed; torch is a range, so the torch a machine already has (a
 CUDA build) stays, which the resolver's own plan shows (`pip install --dry-run --report`, offline, in a throwaway
-venv); these machines' CPU wheel comes from the install commands' constraints file."""
+venv); these machines' CPU wheel comes from the install commands' constraints file. Training without the `train`
+extra says which install is missing in one line."""
 
 import ast
 import functools
@@ -130,6 +131,44 @@ def test_the_import_check_sees_an_undeclared_import(tmp_path):
     f.write_text("def f():\n    import lightning\n")
     assert undeclared("sampling", [f]) == ["sampling/planted.py imports lightning (lightning): declared in ['train', "
                                            "'dev'], but sampling/ is installed with ['base']"]
+
+
+def test_the_trainer_checks_for_packages_of_the_train_extra():
+    import draftsmith.train
+
+    core = set(draftsmith.train.TRAIN_CORE.values())
+    assert core <= set(declared()["train"]) and "lightning" in core and "hydra-core" in core
+    assert {distribution(m) for m in draftsmith.train.TRAIN_CORE} == core
+
+
+def blocking(tmp_path, *modules) -> dict:
+    """An environment in which `modules` are not installed, as Python sees it (a sitecustomize marks them absent)."""
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({modules!r}))\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+
+
+def test_training_without_the_train_extra_says_which_install_in_one_line(tmp_path):
+    """The README's training command where Lightning and Hydra are not installed: one line with the install that
+    fixes it, exit 1; importing the trainer raises an ImportError with the same line."""
+    env = blocking(tmp_path, "lightning", "hydra")
+    res = subprocess.run([sys.executable, "train/draft.py", "recipe=smoke", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
+    assert 'pip install "draftsmith[train]"' in res.stderr and "lightning, hydra-core" in res.stderr, res.stderr
+    imported = subprocess.run([sys.executable, "-c", "import draftsmith.train"], env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert imported.returncode == 1
+    assert 'MissingExtra: draftsmith\'s trainer needs the `train` extra (lightning, hydra-core not installed): pip ' \
+           'install "draftsmith[train]"' in imported.stderr, imported.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_trainer_imports_without_wandb_and_datasets(tmp_path):
+    """A run with logger=csv on the stdlib corpus needs neither (the GPU machine has no W&B): no refusal at import."""
+    res = subprocess.run([sys.executable, "-c", "import draftsmith.train.draft"], env=blocking(tmp_path, "wandb",
+                         "datasets"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def readme_commands() -> list[str]:

@@ -7,6 +7,13 @@
 
 from __future__ import annotations
 
+try:  # first: without the `train` extra, the entry says which install is missing in one line, not a traceback
+    import draftsmith.train  # noqa: F401
+except ModuleNotFoundError as e:
+    if getattr(e, "extra", None) is None:
+        raise
+    raise SystemExit(str(e)) from None
+
 import hashlib
 import json
 import logging
