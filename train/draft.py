@@ -7,6 +7,13 @@
 
 from __future__ import annotations
 
+from draftsmith.train import MissingExtra, require_train_extra
+
+try:  # first: without the `train` extra, the entry says which install is missing in one line, not a traceback
+    require_train_extra()
+except MissingExtra as e:
+    raise SystemExit(str(e)) from None
+
 import hashlib
 import json
 import logging
