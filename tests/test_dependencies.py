@@ -156,12 +156,16 @@ def test_training_without_the_train_extra_says_which_install_in_one_line(tmp_pat
     assert res.returncode == 1, res.stderr[-2000:]
     assert res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
     assert 'pip install "draftsmith[train]"' in res.stderr and "lightning, hydra-core" in res.stderr, res.stderr
-    imported = subprocess.run([sys.executable, "-c", "import draftsmith.train"], env=env, capture_output=True,
+    imported = subprocess.run([sys.executable, "-c", "import draftsmith.train.draft"], env=env, capture_output=True,
                               text=True, timeout=120)
     assert imported.returncode == 1
-    assert 'MissingExtra: draftsmith\'s trainer needs the `train` extra (lightning, hydra-core not installed): pip ' \
+    assert 'draftsmith\'s trainer needs the `train` extra (lightning, hydra-core not installed): pip ' \
            'install "draftsmith[train]"' in imported.stderr, imported.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+    # the deploy path, which reads a run's saved drafts and draws its pictures, needs no trainer
+    deploy = subprocess.run([sys.executable, "-c", "import draftsmith.deploy.export, draftsmith.deploy.conformance"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert deploy.returncode == 0, deploy.stderr[-2000:]
 
 
 def test_the_trainer_imports_without_wandb_and_datasets(tmp_path):
