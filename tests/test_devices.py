@@ -368,6 +368,7 @@ def test_a_training_step_runs_on_the_device(kind, kept, loss):
     """The teacher pass (or the kept logits and features, read from the host store and expanded on the device),
     the loss and the backward, for each kind of draft: every tensor the step makes meets the models' device."""
     from conftest import tiny_llama
+    from helpers import DeviceReads
     from test_feature import feature_draft
 
     from draftsmith.train.build import DraftConfig, build_draft
@@ -400,11 +401,14 @@ def test_a_training_step_runs_on_the_device(kind, kept, loss):
     module.to(DEVICE)
     module.objective.to(DEVICE)
     ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    logits, tlogits, labels, weights = module.objective.train_outputs(module, Batch(ids), torch.arange(B))
-    total, _ = draft_loss(logits, labels, tlogits, spec["weights"], spec["temperature"], False, weights)
-    total.backward()
+    with DeviceReads() as reads:
+        logits, tlogits, labels, weights = module.objective.train_outputs(module, Batch(ids), torch.arange(B))
+        total, _ = draft_loss(logits, labels, tlogits, spec["weights"], spec["temperature"], False, weights)
+        total.backward()
     trained = [p for p in draft.parameters() if p.requires_grad]
     assert _on(total) == DEVICE and all(p.grad is not None and _on(p.grad) == DEVICE for p in trained)
+    # the target's pass (no KV cache, so transformers checks its positions for packed sequences) reads once
+    assert reads.count <= (0 if kept or not LOSSES[loss]["distill"] else 1), reads.names
 
 
 @pytest.mark.parametrize("on_target", [False, True])

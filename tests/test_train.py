@@ -329,14 +329,20 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,msg", [
-    (["recipe=nope"], "Available options in 'recipe'"),
+    (["recipe=nope"], "recipe=nope: no such recipe; choose one of distill_kl, feature_head"),
     (["recipe=smoke", "trainer.max_stepz=3"], "max_stepz"),
+    (["recipe=smoke", "data.blocksize=3"], "unknown setting data.blocksize: data takes source, text_field"),
+    (["recipe=smoke", "+data.blocksize=3"], "unknown setting data.blocksize: data takes source, text_field"),
+    (["recipe=smoke", "data.block_size=big"], "data.block_size: Value 'big' of type 'str' could not be converted"),
+    (["recipe=smoke", "loss=tvv"], "loss=tvv: no such loss; choose one of ce, distill_tv"),
+    (["recipe=smoke", "loss.teacher_topk=many"], "loss.teacher_topk: Value 'many'"),
     (["recipe=smoke", "data.source=/no/such/corpus"], "corpus not found"),
     (["recipe=smoke", "data.max_documents=1", "data.block_size=512"], "too small"),
     (["recipe=smoke", "draft=paper_ratio", "draft.hidden=30"], "heads"),
     (["recipe=smoke", "+draft.extra.vocab_size=100"], "vocabulary"),
     (["recipe=smoke", "draft.draft_vocab=512"], "prunes nothing"),
-    (["recipe=smoke", "+draft.unknown=1"], "unknown draft setting(s) draft.unknown: draft.* takes depth_ratio"),
+    (["recipe=smoke", "+draft.unknown=1"], "unknown setting draft.unknown: draft takes depth_ratio"),
+    (["recipe=smoke", "draft.layers=three"], "draft.layers: Value 'three' of type 'str' could not be converted"),
     (["recipe=smoke", "+optim.lrr=1"], "unknown setting optim.lrr: optim takes lr, betas"),  # the schema
     (["recipe=smoke", "optim.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
     (["recipe=smoke", "target.ranks=some"], "target.ranks must be all (a replica on every rank), first"),

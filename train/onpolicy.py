@@ -39,10 +39,14 @@ class Batch:
         """(B, T-1, V) logits at every position but the last (whose prediction has no label), padding-aware;
         (B, T-1, N) over a pruned head's rows when `head` is given (the other rows are never computed)."""
         pos = self.positions()
-        # use_cache=False: a teacher-forced pass needs no KV cache, and the target's (no grad, so kept nowhere else)
-        # would sit beside the draft's logits: 2 x layers x tokens x KV width, 2.7 GB a micro-batch at 70B
+        # no KV cache for a pass without grad (the target's): nothing else holds its keys and values, which would sit
+        # beside the draft's logits (2 x layers x tokens x KV width, 2.7 GB a micro-batch at 70B). A pass with grad
+        # keeps the cache transformers builds: autograd holds those tensors anyway, and without a cache transformers
+        # reads the positions back from the device at every pass (its packed-sequence check)
         kw = dict(input_ids=self.ids[:, :-1], attention_mask=None if self.mask is None else self.mask[:, :-1],
-                  position_ids=None if pos is None else pos[:, :-1], use_cache=False)
+                  position_ids=None if pos is None else pos[:, :-1])
+        if not torch.is_grad_enabled():
+            kw["use_cache"] = False
         if head is None:
             return model(**kw).logits
         return head(model.model(**kw).last_hidden_state)
