@@ -61,6 +61,22 @@ def test_entry_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "best_draft").exists()
 
 
+
+def test_entry_refuses_a_target_vllms_cpu_build_cannot_run_before_it_starts(tmp_path, monkeypatch, fake_vllm):
+    """The tiny smoke target's head_dim 16 is one vLLM's CPU attention refuses (after its minute-long start): refused
+    up front in one line naming it and what the CPU build needs; vLLM is never started, nothing is sampled."""
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(fake_vllm.python))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FAKE_VLLM_REQUEST", str(tmp_path / "request.json"))
+    res = run_entry("recipe=smoke", "data=generated", "data.generated.engine=vllm", f"hydra.run.dir={tmp_path}/run",
+                    "logger=csv")
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: data.generated.engine=vllm: vLLM's CPU attention cannot run tiny-random (head_dim 16); its CPU build "
+        "needs head_dim in 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512: use data.generated.engine=draftsmith "
+        "for this target")
+    assert not (tmp_path / "request.json").exists() and not (tmp_path / "home" / "generated").exists()
+
 def _pairs_file(path, n=40):
     """Prompt + completion pairs as another engine's log would hold them: openings of stdlib files and what follows."""
     from draftsmith.sampling.load import stdlib_sources
