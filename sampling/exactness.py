@@ -72,7 +72,9 @@ def two_sample_pvalue(a: dict, b: dict) -> float:
 CHI_PROMPT = "def "
 
 
-NOISE_MARGIN = 2  # an engine in a rounding precision may deviate from exact up to twice as much as our own forward
+# another implementation's rounding is another draw of the same noise, larger or smaller than our forward's: an
+# engine may deviate from exact up to twice as much as ours (its calibration: docs/results.md, the engine check)
+NOISE_MARGIN = 2
 
 
 def noisy_pvalue(counts, probs, lo, hi, resolved, divergence: float) -> float:
