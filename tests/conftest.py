@@ -75,3 +75,62 @@ def copy_with_swapped_tokens(src, dst):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (dst / "tokenizer.json").write_text(json.dumps(tok))
     return dst
+
+
+# A stand-in for vLLM (tests/test_process_tree.py, tests/test_generation.py): `fake_vllm` makes a python whose worker
+# this is. FAKE_VLLM: exit (the work done), fail (deploy's worker fails), hang (until killed).
+FAKE_WORKER = r"""
+import json, os, subprocess, sys, time
+worker, request, out = sys.argv[1:4]
+# the engine's own process, as vLLM's EngineCore: the worker starts it and does not wait for it
+subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.2)"])
+req = json.load(open(request))
+mode = os.environ["FAKE_VLLM"]
+if os.environ.get("FAKE_VLLM_REQUEST"):
+    open(os.environ["FAKE_VLLM_REQUEST"], "w").write(json.dumps(req))
+
+def put(name, text):
+    open(os.path.join(out, name + ".tmp"), "wb").write(text)
+    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+if worker.endswith("vllm_generate.py"):  # the trainer's: files in OUT_DIR
+    put("started.json", json.dumps({"start_s": 0.0, "version": "fake"}).encode())
+    if mode == "hang":
+        time.sleep(600)
+    if req["check"]:
+        put("check.json", json.dumps([[5, 6]] * req["check"]["n"]).encode())
+    import numpy as np
+    from safetensors.numpy import save
+    for batch in req["batches"]:
+        n = len(batch["rows"])
+        record = {"tokens": np.array([5, 6] * n, dtype=np.int64), "steps": np.array([2] * n, dtype=np.int64)}
+        put(f"{batch['first_row']:09d}.safetensors", save(record, metadata={"seconds": "0.1"}))
+else:  # deploy_check's: one result file
+    if mode == "hang":
+        time.sleep(600)
+    if mode == "fail":
+        sys.exit("RuntimeError: planted failure of the engine")
+    open(out, "w").write("[]")
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    """A vLLM python whose worker is FAKE_WORKER; the guard (`python -c`) runs in the real interpreter. Every
+    process it starts carries a unique marker in its environment."""
+    import json
+    import uuid
+    from types import SimpleNamespace
+
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
+                      f'exec {sys.executable} {worker} "$@"\n')
+    python.chmod(0o755)
+    target = tmp_path / "target"  # what vllm_batches checks before it starts vLLM: a config with head_dim 64
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2}))
+    marker = f"DRAFTSMITH_TEST_RUN={uuid.uuid4().hex}"
+    env = dict(os.environ, DRAFTSMITH_VLLM_PYTHON=str(python), **dict([marker.split("=")]))
+    return SimpleNamespace(python=python, target=target, marker=marker, env=env, tmp=tmp_path)

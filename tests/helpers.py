@@ -1,6 +1,10 @@
-"""Shared statistical helpers for the exactness tests: the same chi-square that judges engines."""
+"""Shared helpers: the exactness tests' statistics (the same chi-square that judges engines), and the count of an
+engine's processes left behind."""
 
+import os
+import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -142,3 +146,33 @@ class DeviceReads:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def processes_of(marker: str, cwd=None) -> list[str]:
+    """Live processes (zombies aside: they hold nothing) started with `marker` ("NAME=value") in their environment
+    or, when given, running in the directory `cwd`: vLLM renames its EngineCore and Workers (setproctitle), which
+    overwrites what /proc shows of their environment, but not their working directory. Each as "pid cmdline"."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+            here = cwd is not None and os.readlink(proc / "cwd") == str(cwd)
+            if marker.encode() in env or here:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {cmd[:120]}")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def processes_after(marker: str, cwd=None, grace_s: float = 10.0) -> list[str]:
+    """`processes_of` once the processes a run killed have had `grace_s` to go (a kill is delivered at once, but a
+    process dies when the kernel next schedules it)."""
+    t_end = time.monotonic() + grace_s
+    while (left := processes_of(marker, cwd)) and time.monotonic() < t_end:
+        time.sleep(0.2)
+    return left

@@ -18,7 +18,7 @@ def test_the_ablation_grid_runs_as_a_multirun_and_its_table_and_plot_read_it(tmp
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if (p / "report.json").is_file()) == ["0", "1"]
     out = tmp_path / "out"
-    script = [sys.executable, str(ROOT / "scripts" / "ablation.py"), str(sweep), "--out", str(out)]
+    script = [sys.executable, "-m", "draftsmith.deploy.cli", "bench", "ablation", str(sweep), "--out", str(out)]
     res = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     runs = json.loads((out / "ablation.json").read_text())["runs"]
@@ -30,5 +30,5 @@ def test_the_ablation_grid_runs_as_a_multirun_and_its_table_and_plot_read_it(tmp
     res = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0 and "1 (" in res.stderr and "left out" in res.stderr
     assert len(json.loads((out / "ablation.json").read_text())["runs"]) == 1
-    res = subprocess.run([*script[:2], str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run([*script[:5], str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "hparams_search=ablation" in res.stderr

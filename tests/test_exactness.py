@@ -263,3 +263,45 @@ def test_mixed_precision_pair_stays_exact(pair):
                                          generator=g), 50_000, 3, prompt)
     assert 0 < stats.alpha < 1
     assert pvalue(counts, target_sequences(q, prompt, 3, None)) > 1e-3
+
+
+def test_a_bf16_targets_cells_come_from_fp32_arithmetic_in_chunks_with_no_fp32_copy():
+    """The engine check's reference (`pair_cells`) for a target held in bf16: fp32 arithmetic on its own weights,
+    equal to that of a full fp32 copy, yet at no moment is more than one module's weights in fp32 (a 70B target's
+    fp32 copy is 282 GB); the continuations of the frequent first tokens go `chunk` rows a pass; the weights are
+    bf16 again after; and the precision's own noise is measured (fp32: none, the exact test as before)."""
+    import copy
+
+    from draftsmith.sampling.exactness import pair_cells
+
+    target = tiny_llama(vocab=48, layers=2, hidden=64, seed=1, logit_scale=20.0).to(torch.bfloat16)
+    params = list(target.parameters())
+    rows, fp32_peak = [], [0]
+    target.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    for module in target.modules():  # registered before pair_cells' own hooks: runs while a module's weights are up
+        module.register_forward_hook(lambda m, a, o: fp32_peak.__setitem__(0, max(fp32_peak[0], sum(
+            p.numel() for p in params if p.dtype == torch.float32))))
+    cfg = SamplingConfig(0.8, 0, 0.95)
+    cells = pair_cells(target, [1, 2, 3], cfg, draws=2000, eos=0, chunk=4)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in target.modules())
+    assert 0 < fp32_peak[0] <= largest < sum(p.numel() for p in params) / 4
+    assert len(cells.q2) > 4 and max(rows) <= 4  # several chunks, none above 4 rows
+    assert {p.dtype for p in target.parameters()} == {torch.bfloat16}
+    exact = pair_cells(copy.deepcopy(target).float(), [1, 2, 3], cfg, draws=2000, eos=0)
+    assert exact.noise == 0 and exact.lo is None and cells.noise > 0 and cells.divergence > 0
+    assert cells.probs.keys() == exact.probs.keys()
+    assert max(abs(cells.probs[k] - exact.probs[k]) for k in exact.probs) < 1e-6
+
+
+def test_the_engine_checks_reference_runs_on_the_targets_device():
+    """`pair_cells` hands the target its inputs on the target's own device: a target on the meta device (a GPU's
+    stand-in here) gets meta inputs (before: the host's) and runs there up to the first copy of its numbers to the
+    host."""
+    from draftsmith.sampling.exactness import pair_cells
+
+    target = tiny_llama(vocab=16, layers=1, hidden=32).to("meta")
+    seen = []
+    target.register_forward_pre_hook(lambda m, args: seen.append(args[0].device.type))
+    with pytest.raises(Exception):  # noqa: B017  (a meta tensor's numbers cannot be read: where it stops)
+        pair_cells(target, [1, 2, 3], SamplingConfig(0.8, 0, 0.95), draws=100, eos=0)
+    assert seen and set(seen) == {"meta"}

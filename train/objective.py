@@ -80,7 +80,7 @@ class IndependentObjective:
             if n < len(b.ids):
                 parts.append(m.kept_outputs(Batch(b.ids[n:]), rows[n:], lambda sub: (sub.logits(m.target), None),
                                             dtype)[0])
-            return torch.cat(parts)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)  # cat copies even one part: a (B, P, V) copy
 
     def _unknown(self, m, b: Batch, rows: torch.Tensor | None) -> torch.Tensor | None:
         """(B (T-1),) bool, on the host: label positions of kept blocks that have no teacher (train/teacher.py

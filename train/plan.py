@@ -44,7 +44,9 @@ GELU layers with the attention scores materialised; an HF Llama layer under SDPA
 34 h in its wider SwiGLU MLP.
 
 Logits: per position, the draft's logits (2 bytes a column in 16-bit compute, 4 in fp32), the target's (a teacher
-pass: 2, its bf16 output; kept logits: 4, the teacher store's dense fp32 rows) and what the loss holds of size V.
+pass: 2, its bf16 output; kept logits: 4, the store's rows expanded in the draft's dtype and a copy of them) and what
+the loss holds of size V; kept logits add their read from the store, 16 bytes a kept entry (fp16 value, int32 index,
+their int64 and 16-bit copies).
 Compiled (`loss.compile`, the recipes' default) the fused loss keeps only its inputs and the logits' gradient:
 2 + teacher + 2. Eager, the divergences keep fp32 log-softmaxes and probabilities of both: six fp32 copies (24
 bytes) at their peak, measured for tv + forward_kl. Cross-entropy alone (no teacher): 12 bytes, the fp32
@@ -126,6 +128,7 @@ class Plan:
     teacher: str = "replica"  # replica (a teacher pass per step) | kept (the teacher store) | none (no distillation)
     target_first: bool = False  # target.ranks=first: rank 0 holds the target spread over its node, the others none
     target_bytes: int = 2  # a target parameter in its dtype
+    kept_topk: int = 0  # teacher=kept: the entries a position keeps (loss.teacher_topk)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -158,7 +161,8 @@ class Plan:
         else:
             teacher = 4 if self.teacher == "kept" else self.target_bytes
             per = own + teacher + (own if self.compiled_loss else 24)
-        return float(self.tokens * self.columns * per)
+        read = 16 * self.kept_topk if self.teacher == "kept" else 0  # the top-k read from the store
+        return float(self.tokens * (self.columns * per + read))
 
     def target(self) -> float:
         if self.target_first:
@@ -202,7 +206,7 @@ class Plan:
 
 def plan(target_config, draft_config, ranks: int, batch: int, block: int, devices_per_node: int | None = None, *,
          precision: str = "bf16-mixed", compiled_loss: bool = True, teacher: str = "replica",
-         target_first: bool = False, columns: int | None = None, target_bytes: int = 2) -> Plan:
+         target_first: bool = False, columns: int | None = None, target_bytes: int = 2, kept_topk: int = 0) -> Plan:
     if precision not in PRECISIONS:
         raise ValueError(f"plan=true sizes trainer.precision {', '.join(PRECISIONS)} (or auto: bf16-mixed on a "
                          f"GPU), got {precision!r}")
@@ -215,7 +219,7 @@ def plan(target_config, draft_config, ranks: int, batch: int, block: int, device
     shape = model_shape(d)
     return Plan(d.num_hidden_layers, d.hidden_size, shape.params, meta_params(target_config), ranks, batch, block,
                 devices_per_node or ranks, shape, dims, columns or d.vocab_size, precision, compiled_loss, teacher,
-                target_first, target_bytes)
+                target_first, target_bytes, kept_topk)
 
 
 def print_plan(p: Plan, target_name: str, target_config, device_gib: float, device_source: str,

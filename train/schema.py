@@ -74,6 +74,7 @@ class Generated:
     engine: str = "draftsmith"  # draftsmith | vllm | auto (checked in train/data.py `check_data`)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
 
 
 @dataclass

