@@ -12,37 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.deploy.plots import DEPLOYMENT_PLOT, deployment_plot
-from draftsmith.sampling.machine import write_text
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.machine import files_sha256, stream_into, write_text
 
 # the card: deploy_check itself adds its results there
 UNCHECKED = ("speculative.json", "README.md", "acceptance.png", "deployment.png")
 
 
-class BundleError(ValueError):
-    pass
-
-
-def _stream(h, path: Path):
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h
-
-
 def sha256(path: Path) -> str:
     """One file's digest: what the card records for each file of the bundle."""
-    return _stream(hashlib.sha256(), path).hexdigest()
-
-
-def files_sha256(folder: Path, names) -> str:
-    """One digest of the named files that exist in `folder`, each as its name then its bytes (streamed): the
-    identity of a target the bundle points at, and the key of an engine's converted copy of a model."""
-    h = hashlib.sha256()
-    for n in names:
-        if (Path(folder) / n).is_file():
-            h.update(n.encode())
-            _stream(h, Path(folder) / n)
-    return h.hexdigest()
+    return stream_into(hashlib.sha256(), path).hexdigest()
 
 
 def bundle_hashes(folder: Path) -> dict[str, str]:
@@ -64,27 +43,28 @@ def open_bundle(path) -> Bundle:
     path = Path(path)
     card = path / "speculative.json"
     if not card.is_file():
-        raise BundleError(f"{path} is not a bundle ({card.name} missing): make one with draftsmith export")
+        raise DraftsmithError(f"{path} is not a bundle ({card.name} missing): make one with draftsmith export")
     try:
         spec = json.loads(card.read_text())
     except ValueError as e:
-        raise BundleError(f"{card} is not valid JSON ({e}): export the bundle again") from None
+        raise DraftsmithError(f"{card} is not valid JSON ({e}): export the bundle again") from None
     files = spec.get("files")
     if not files:
-        raise BundleError(f"{path} predates file hashes in bundles: export it again with draftsmith export")
+        raise DraftsmithError(f"{path} predates file hashes in bundles: export it again with draftsmith export")
     for rel, digest in files.items():
         f = path / rel
         if not f.is_file():
-            raise BundleError(f"{path}: {rel} is missing; the bundle is incomplete, export it again")
+            raise DraftsmithError(f"{path}: {rel} is missing; the bundle is incomplete, export it again")
         if sha256(f) != digest:
-            raise BundleError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
+            raise DraftsmithError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
     ref = json.loads((path / "target.json").read_text())
     target_dir = path / "target" if ref["path"] == "target" else Path(ref["path"])
     if not (target_dir / "config.json").is_file():
-        raise BundleError(f"the bundle's target {target_dir} is missing (target.json); re-export with --copy-target")
+        raise DraftsmithError(f"the bundle's target {target_dir} is missing (target.json); re-export with "
+                              "--copy-target")
     if files_sha256(target_dir, ["config.json"]) != ref["config_sha256"]:
-        raise BundleError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
-                          "differs); export the bundle again")
+        raise DraftsmithError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
+                              "differs); export the bundle again")
     return Bundle(path, spec, target_dir, path / "draft")
 
 

@@ -25,6 +25,8 @@ VERBS = {
                "draftsmith export outputs/DATE/TIME --out bundles/my-draft"),
     "deploy-check": ("draftsmith.deploy.conformance", "is an engine's speculative decoding of a bundle lossless?",
                      "draftsmith deploy-check bundles/my-draft --engine vllm"),
+    "engines": ("draftsmith.train.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
+                "draftsmith engines install vllm"),
     "bench": ("draftsmith.deploy.bench", "benchmarks: paper, sampler, corpus, memory, store, train-memory, ablation",
               "draftsmith bench paper --draft bundles/my-draft"),
 }

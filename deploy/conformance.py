@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from scipy import stats
 
-from draftsmith.deploy.bundle import Bundle, BundleError, open_bundle, write_card
+from draftsmith.deploy.bundle import Bundle, open_bundle, write_card
 from draftsmith.sampling.cli import examples
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
-from draftsmith.sampling.load import ModelNotFound, load_model
+from draftsmith.sampling.load import load_model
 from draftsmith.sampling.machine import machine
 from draftsmith.sampling.probs import SamplingConfig, sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
@@ -100,7 +101,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     texts: the prompts of the greedy and long jobs (None: `n_prompts` of the shipped code and English ones)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.deploy.engines import Job
+    from draftsmith.train.engines.base import Job
 
     tok = AutoTokenizer.from_pretrained(bundle.target_dir)
     reference = load_model(str(bundle.target_dir), "fp32")
@@ -277,7 +278,7 @@ def _bundle_of(path: Path) -> Path:
 
 
 def main(argv=None, prog=None) -> int:
-    from draftsmith.deploy.engines import ENGINES, EngineFailed, EngineMissing, open_engine
+    from draftsmith.train.engines import ENGINES, open_engine
 
     ap = argparse.ArgumentParser(prog=prog or "draftsmith deploy-check", epilog=examples(__doc__),
                                  description="Judge an engine's speculative decoding of a bundle against its target",
@@ -300,7 +301,7 @@ def main(argv=None, prog=None) -> int:
     try:
         bundle = open_bundle(_bundle_of(args.bundle))
         engine = open_engine(args.engine, bundle, args.dtype)
-    except (BundleError, ModelNotFound, EngineMissing, ValueError) as e:
+    except ValueError as e:  # a DraftsmithError (a bad bundle, a missing engine), or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = bundle.spec.get("sampling", {})
@@ -309,7 +310,7 @@ def main(argv=None, prog=None) -> int:
     try:
         report = check(bundle, engine, settings, draws=args.draws, n_prompts=args.prompts, samples=args.samples,
                        max_new_tokens=args.max_new_tokens)
-    except EngineFailed as e:
+    except DraftsmithError as e:  # the engine ran and failed (its own words), or was stopped
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a crash inside the engine's own code: name the engine, the bundle and the cause

@@ -31,16 +31,9 @@ from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.load import (
-    ALIASES,
-    DTYPE_CHOICES,
-    ModelNotFound,
-    load_model,
-    load_tokenizer,
-    resolve,
-    tokenizer_mismatches,
-)
+from draftsmith.sampling.load import ALIASES, DTYPE_CHOICES, load_model, load_tokenizer, resolve, tokenizer_mismatches
 from draftsmith.sampling.machine import default_device, device_of
 from draftsmith.sampling.precision import describe_run, device_name, run_info
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
@@ -48,10 +41,6 @@ from draftsmith.train.evaluate import acceptance_by_set
 from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-class ExportError(ValueError):
-    pass
 
 
 def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
@@ -63,7 +52,7 @@ def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
     elif (src / "best_draft").is_dir():
         run_dir, src = src, src / "best_draft"
     else:
-        raise ExportError(f"{src} is not a run directory (with best_draft/), a .ckpt, or a draft checkpoint")
+        raise DraftsmithError(f"{src} is not a run directory (with best_draft/), a .ckpt, or a draft checkpoint")
     sampler = {"k": 4, "temperature": 0.8, "top_p": 0.95, "top_k": 0}
     target = target_arg
     hydra_cfg = run_dir / ".hydra" / "config.yaml" if run_dir else None
@@ -72,7 +61,7 @@ def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
         target = target or cfg["target"]["name"]
         sampler.update({k: cfg["sampler"][k] for k in sampler})
     if not target:
-        raise ExportError("cannot tell the target: pass --target (the run's .hydra/config.yaml is missing)")
+        raise DraftsmithError("cannot tell the target: pass --target (the run's .hydra/config.yaml is missing)")
     return src, target, sampler
 
 
@@ -84,13 +73,13 @@ def check_pair(target_tok, draft_tok, target, draft) -> None:
         except ValueError as e:
             problems.append(str(e))
         if problems:
-            raise ExportError("draft and target do not form a pair: " + "; ".join(problems))
+            raise DraftsmithError("draft and target do not form a pair: " + "; ".join(problems))
         return
     tv, dv = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
     if tv != dv or target.config.vocab_size != draft.config.vocab_size:
         problems.append(f"vocab sizes {dv} (draft) != {tv} (target)")
     if problems:
-        raise ExportError("draft and target do not form a pair: " + "; ".join(problems))
+        raise DraftsmithError("draft and target do not form a pair: " + "; ".join(problems))
 
 
 def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
@@ -190,7 +179,7 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     if src.suffix == ".ckpt":
         arch = src.parent.parent / "best_draft"
         if not (arch / "config.json").is_file():
-            raise ExportError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
+            raise DraftsmithError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
         model, head = split_head(load_model(str(arch), "fp32"))  # the checkpoint holds the plain model's weights
         draft = draft_from_checkpoint(model, str(src), device=device)
         draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
@@ -324,8 +313,8 @@ def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) ->
                              spec["max_new_tokens"], spec["seed"])
     for ps, r in again.items():
         if r["alpha"] != spec["acceptance"][ps]["alpha"]:
-            raise ExportError(f"reloaded draft gives alpha {r['alpha']} on {ps}, the export recorded "
-                              f"{spec['acceptance'][ps]['alpha']}: the saved draft is not the measured one")
+            raise DraftsmithError(f"reloaded draft gives alpha {r['alpha']} on {ps}, the export recorded "
+                                  f"{spec['acceptance'][ps]['alpha']}: the saved draft is not the measured one")
 
 
 def log_bundle(run_dir: Path, bundle: Path, spec: dict) -> str | None:
@@ -377,7 +366,7 @@ def main(argv=None, prog=None) -> int:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
                      prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
                      dtype=args.dtype, device=args.device)
-    except (ExportError, ModelNotFound, ValueError) as e:
+    except (DraftsmithError, DraftsmithError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     spec = json.loads((out / "speculative.json").read_text())

@@ -18,8 +18,9 @@ import sys
 import torch
 
 from draftsmith.sampling.cli import Draft, examples, locate_draft
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.load import DTYPE_CHOICES, ModelNotFound, check_same_tokenizer, load_model, load_tokenizer
+from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
@@ -126,7 +127,7 @@ def main(argv=None, prog=None) -> int:
         else:
             extra = {"alpha_prior": min(0.95, source.alpha or 0.5)} if k == "auto" else {}
             gen = speculative_generate(target, draft, ids, k=k, **common, **extra)
-    except (ValueError, ModelNotFound) as e:
+    except (ValueError, DraftsmithError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     completion = tok.decode(gen.tokens[0], skip_special_tokens=True)

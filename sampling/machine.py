@@ -103,12 +103,6 @@ def cache_home() -> Path:
     return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
 
 
-def vllm_python() -> Path:
-    """The python of the venv vLLM lives in (`scripts/install_vllm.sh`: it pins a transformers older than ours),
-    or the one DRAFTSMITH_VLLM_PYTHON names (a GPU node's own vLLM install)."""
-    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", cache_home() / "engines" / "vllm" / "bin" / "python"))
-
-
 @contextlib.contextmanager
 def atomic_path(path, tag: str = "partial"):
     """A temporary name beside `path` to write to; renamed onto `path` when the block ends without an error, removed
@@ -183,3 +177,20 @@ def machine_key(m: dict | None = None) -> str:
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
+def stream_into(h, path: Path):
+    """`h` (a hashlib object) updated with the file's bytes, read in 1 MiB blocks."""
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h
+
+
+def files_sha256(folder: Path, names) -> str:
+    """One digest of the named files that exist in `folder`, each as its name then its bytes (streamed): the
+    identity of a target the bundle points at, and the key of an engine's converted copy of a model."""
+    h = hashlib.sha256()
+    for n in names:
+        if (Path(folder) / n).is_file():
+            h.update(n.encode())
+            stream_into(h, Path(folder) / n)
+    return h.hexdigest()

@@ -93,7 +93,7 @@ def put(name, text):
     open(os.path.join(out, name + ".tmp"), "wb").write(text)
     os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
-if worker.endswith("vllm_generate.py"):  # the trainer's: files in OUT_DIR
+if worker.endswith("vllm_corpus.py"):  # the trainer's: files in OUT_DIR
     put("started.json", json.dumps({"start_s": 0.0, "version": "fake"}).encode())
     if mode == "hang":
         time.sleep(600)
@@ -128,7 +128,7 @@ def fake_vllm(tmp_path):
     python.write_text(f'#!/bin/bash\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
                       f'exec {sys.executable} {worker} "$@"\n')
     python.chmod(0o755)
-    target = tmp_path / "target"  # what vllm_batches checks before it starts vLLM: a config with head_dim 64
+    target = tmp_path / "target"  # what engines.vllm.batches checks before it starts vLLM: a config with head_dim 64
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2}))
     marker = f"DRAFTSMITH_TEST_RUN={uuid.uuid4().hex}"

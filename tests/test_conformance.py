@@ -15,8 +15,8 @@ from draftsmith.deploy.conformance import (
     main,
     open_bundle,
 )
-from draftsmith.deploy.engines import DraftsmithEngine
 from draftsmith.sampling import rejection
+from draftsmith.train.engines.draftsmith import DraftsmithEngine
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_cli_refuses_an_edited_or_incomplete_bundle_or_a_missing_engine(sharp_bu
     assert "is not a bundle" in capsys.readouterr().err
     monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     assert main([str(sharp_bundle), "--engine", "vllm"]) == 2
-    assert "bash scripts/install_vllm.sh" in capsys.readouterr().err
+    assert "draftsmith engines install vllm" in capsys.readouterr().err
 
 
 def test_greedy_ties_are_judged_at_the_precision_the_engine_computes_in():

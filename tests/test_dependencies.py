@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -27,11 +28,12 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
 # What each layer's users have installed: the sampler is the base install; the deploy path adds the engines'
 # packages; the trainer its extras; the scripts and the tests run beside everything.
 LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base", "train", "deepspeed"},
+          "train/engines": {"base", "engines"},  # the deploy check's engines: no trainer installed
           "scripts": {"base", "train", "deepspeed", "engines"},
           "tests": {"base", "train", "deepspeed", "engines", "dev"}}
 # imports that run in another environment than draftsmith's
-ELSEWHERE = {"vllm": "vLLM's own venv (scripts/install_vllm.sh): deploy/vllm_worker.py and train/vllm_generate.py "
-                     "run there"}
+ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): train/engines/vllm_judge.py and "
+                     "vllm_corpus.py run there"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
 LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained"}
 # declared, imported by no file of the repository
@@ -94,13 +96,19 @@ def distribution(module: str) -> str:
     return canonical(installed_modules().get(module, [module])[0])
 
 
+def files_of(layer: str) -> list[Path]:
+    """The layer's Python files, its subfolders' included, less those of a subfolder that is a layer of its own."""
+    inner = [ROOT / other for other in LAYERS if other.startswith(f"{layer}/")]
+    return sorted(f for f in (ROOT / layer).rglob("*.py") if not any(f.is_relative_to(d) for d in inner))
+
+
 def undeclared(layer: str, files) -> list[str]:
     """The imports of `files` (in `layer`/) that no group the layer is installed with declares."""
     groups = declared()
     allowed = set().union(*(groups[g] for g in LAYERS[layer]))
     bad = []
     for f in files:
-        rel = f"{layer}/{f.name}"
+        rel = f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else f"{layer}/{f.name}"
         for module in sorted(third_party_imports(f)):
             dist = distribution(module)
             if module in ELSEWHERE or dist in allowed:
@@ -114,12 +122,12 @@ def undeclared(layer: str, files) -> list[str]:
 
 
 def test_every_third_party_import_is_declared_where_its_layer_is_installed():
-    bad = [b for layer in LAYERS for b in undeclared(layer, sorted((ROOT / layer).glob("*.py")))]
+    bad = [b for layer in LAYERS for b in undeclared(layer, files_of(layer))]
     assert not bad, "\n".join(bad)
 
 
 def test_every_declared_package_is_imported_or_says_why():
-    imported = {distribution(m) for layer in LAYERS for f in (ROOT / layer).glob("*.py")
+    imported = {distribution(m) for layer in LAYERS for f in files_of(layer)
                 for m in third_party_imports(f)}
     unused = {d for reqs in declared().values() for d in reqs} - imported - set(USED_WITHOUT_IMPORT)
     assert not unused, f"declared in pyproject.toml, imported nowhere: {sorted(unused)}"

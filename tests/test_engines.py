@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from draftsmith.deploy.conformance import Setting, check, open_bundle
-from draftsmith.deploy.engines import VLLM_INSTALL, llamacpp_missing, vllm_python
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train.engines.llamacpp import missing as llamacpp_missing
+from draftsmith.train.engines.vllm import INSTALL as VLLM_INSTALL
+from draftsmith.train.engines.vllm import python_path as vllm_python
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
@@ -45,8 +48,8 @@ def demo_bundle(demo_target, tmp_path_factory):
 def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     """Assisted generation takes a plain PreTrainedModel: the draft runs its full head there (exact all the same);
     it used to crash on our pruned-head wrapper ('PrunedHeadDraft' object has no attribute 'device')."""
-    from draftsmith.deploy.engines import TransformersEngine
     from draftsmith.sampling.pruned import PrunedHeadDraft
+    from draftsmith.train.engines.transformers import TransformersEngine
 
     bundle = open_bundle(demo_bundle)
     engine = TransformersEngine(bundle)
@@ -59,7 +62,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
 
 @installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
-    from draftsmith.deploy.engines import VllmEngine
+    from draftsmith.train.engines.vllm import VllmEngine
 
     bundle = open_bundle(demo_bundle)
     engine = VllmEngine(bundle)
@@ -81,7 +84,7 @@ KNOWN_VLLM_SAMPLING = {"0.32.0": "fail"}
 
 @installed("llamacpp", llamacpp_missing())
 def test_llamacpp_is_judged(demo_bundle):
-    from draftsmith.deploy.engines import LlamaCppEngine
+    from draftsmith.train.engines.llamacpp import LlamaCppEngine
 
     bundle = open_bundle(demo_bundle)
     report = check(bundle, LlamaCppEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=500, n_prompts=2,
@@ -127,14 +130,15 @@ def feature_bundle(demo_target, tmp_path_factory):
 
 
 def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(feature_bundle):
-    from draftsmith.deploy.engines import DraftsmithEngine, EngineMissing, TransformersEngine
+    from draftsmith.train.engines.draftsmith import DraftsmithEngine
+    from draftsmith.train.engines.transformers import TransformersEngine
 
     bundle = open_bundle(feature_bundle)
     report = check(bundle, DraftsmithEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=600, n_prompts=2,
                    samples=2, max_new_tokens=16)
     print({k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
     assert report["verdict"] == "pass", report["settings"]
-    with pytest.raises(EngineMissing, match="feature draft"):
+    with pytest.raises(DraftsmithError, match="feature draft"):
         TransformersEngine(bundle)
 
 
@@ -153,7 +157,9 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, dem
     import shutil
 
     from draftsmith.deploy.bundle import Bundle
-    from draftsmith.deploy.engines import DraftsmithEngine, Job, VllmEngine
+    from draftsmith.train.engines.base import Job
+    from draftsmith.train.engines.draftsmith import DraftsmithEngine
+    from draftsmith.train.engines.vllm import VllmEngine
 
     bundle = open_bundle(feature_bundle)
     kw = dict(texts=REPEATS, max_new_tokens=32)
@@ -236,7 +242,7 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.sampling.prompts import load_prompts
     from draftsmith.train.corpus import generate_corpus, sampled_logits
-    from draftsmith.train.generation import EngineCheck, EngineError
+    from draftsmith.train.generation import EngineCheck
 
     target, tok = demo_target
     monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "engine_checks.json"))
@@ -279,7 +285,7 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
 
     wrong = EngineCheck("vllm", lambda: target, tok, SamplingConfig(1.6, 0, 0.95), "smollm2-135m", target.dtype,
                         draws=1000)
-    with pytest.raises(EngineError, match=r"engine=vllm .* samples the wrong distribution: chi-square p"):
+    with pytest.raises(DraftsmithError, match=r"engine=vllm .* samples the wrong distribution: chi-square p"):
         generate_corpus(target, tok, prompts, tmp_path / "w.jsonl", max_new_tokens=8, temperature=0.8, top_p=0.95,
                         batch_size=4, keep_logits=k, engine="vllm", target_name="smollm2-135m", check=wrong,
                         progress=False)

@@ -68,11 +68,12 @@ def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bund
 
 
 def test_export_refuses_a_mismatched_pair(bundle, tmp_path):
-    from draftsmith.deploy.export import ExportError, export
+    from draftsmith.deploy.export import export
+    from draftsmith.sampling.errors import DraftsmithError
 
     _, out = bundle
     broken = copy_with_swapped_tokens(out / "draft", tmp_path / "draft")
-    with pytest.raises(ExportError, match="vocabularies differ"):
+    with pytest.raises(DraftsmithError, match="vocabularies differ"):
         export(broken, tmp_path / "never", target_arg="tiny-random", n_prompts=1, max_new_tokens=4, ks=(1,))
     assert not (tmp_path / "never").exists()
 
@@ -107,15 +108,15 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
 
 
 def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle, tmp_path, monkeypatch, capsys):
-    from draftsmith.deploy import engines
     from draftsmith.deploy.conformance import main
+    from draftsmith.train.engines.transformers import TransformersEngine
 
     _, out = bundle
 
     def crash(self, jobs, speculative):
         raise AttributeError("'X' object has no attribute 'device'")
 
-    monkeypatch.setattr(engines.TransformersEngine, "run", crash)
+    monkeypatch.setattr(TransformersEngine, "run", crash)
     assert main([str(out), "--engine", "transformers", "--no-write"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: transformers failed on {out}: AttributeError: 'X' object has no attribute")

@@ -229,11 +229,11 @@ def test_what_a_feature_draft_cannot_do_is_refused(override, message):
     from conftest import ROOT
     from hydra import compose, initialize_config_dir
 
+    from draftsmith.sampling.errors import DraftsmithError
     from draftsmith.sampling.load import load_tokenizer
     from draftsmith.train.data import check_data
-    from draftsmith.train.rundir import SetupError
 
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("draft", ["recipe=smoke", "draft=feature_head", override])
-    with pytest.raises(SetupError, match=message):
+    with pytest.raises(DraftsmithError, match=message):
         check_data(cfg, load_tokenizer("tiny-random"))

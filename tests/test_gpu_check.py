@@ -37,7 +37,7 @@ def test_a_random_target_is_its_shape_with_random_weights(tmp_path, monkeypatch)
     model, tok = load.load_model("random:tiny-shape:2", "fp32"), load.load_tokenizer("random:tiny-shape:2")
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 1000 and len(tok) == 512
     assert model.config.eos_token_id == tok.eos_token_id
-    with pytest.raises(load.ModelNotFound, match="random:SHAPE or random:SHAPE:LAYERS"):
+    with pytest.raises(load.DraftsmithError, match="random:SHAPE or random:SHAPE:LAYERS"):
         load.resolve("random:tiny-shape:x")
 
 

@@ -112,11 +112,12 @@ time.sleep(600)
 
 
 def test_a_run_dir_is_held_by_one_run_and_freed_when_that_run_is_killed(tmp_path):
-    from draftsmith.train.rundir import SetupError, claim_run_dir
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.train.rundir import claim_run_dir
 
     proc = subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "claimed"
-    with pytest.raises(SetupError, match=rf"in use by another training run \(pid {proc.pid}\)"):
+    with pytest.raises(DraftsmithError, match=rf"in use by another training run \(pid {proc.pid}\)"):
         claim_run_dir(tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

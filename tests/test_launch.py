@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from draftsmith.train.launch import Launch, LaunchError, agree, cluster_environment, detect
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train.launch import Launch, agree, cluster_environment, detect
 
 LAUNCH_VARS = ("SLURM_", "TORCHELASTIC_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_",
                "LOCAL_WORLD_SIZE", "ROLE_", "PL_")
@@ -127,10 +128,11 @@ def test_lightning_is_handed_the_environment_we_detected(monkeypatch):
 
 AGREE = """
 import os, sys
-from draftsmith.train.launch import LaunchError, agree, detect
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train.launch import agree, detect
 try:
     print("agreed", agree(detect(), "x", sys.argv[1], float(sys.argv[2]), same=sys.argv[3] or None), flush=True)
-except LaunchError as e:
+except DraftsmithError as e:
     print("error:", e, flush=True)
 """
 
@@ -162,7 +164,7 @@ def test_a_rank_that_never_comes_stops_the_others_with_one_line():
 
 def test_a_single_process_agrees_with_itself_without_a_store():
     assert agree(detect({}), "x", "mine", 0.01) == "mine"
-    with pytest.raises(LaunchError, match="set MASTER_ADDR and MASTER_PORT alike on every node"):
+    with pytest.raises(DraftsmithError, match="set MASTER_ADDR and MASTER_PORT alike on every node"):
         agree(Launch("lightning", 0, 0, 0, 2, 2, 2, 0), "x", "mine", 0.01)
 
 
@@ -182,28 +184,28 @@ def test_a_training_rank_that_never_comes_stops_rank_0_before_any_work(tmp_path)
 
 
 def test_the_corpus_wait_has_a_timeout(tmp_path):
+    from draftsmith.sampling.errors import DraftsmithError
     from draftsmith.train.data import prepared_once
-    from draftsmith.train.rundir import SetupError
 
-    with pytest.raises(SetupError, match=r"^rank 1 waited 0.0005 min for rank 0 to prepare the corpus \(.*data.json "
-                                         r"never came\): see rank 0's log; a slow preparation needs a larger "
-                                         r"launch.wait_minutes$"):
+    with pytest.raises(DraftsmithError, match=r"^rank 1 waited 0.0005 min for rank 0 to prepare the corpus "
+                                              r"\(.*data.json never came\): see rank 0's log; a slow preparation "
+                                              r"needs a larger launch.wait_minutes$"):
         prepared_once(tmp_path, lambda: {}, 0.03, Launch("srun", 1, 0, 1, 2, 2, 2, 1), poll_s=0.01)
 
 
 WAIT = """
 import sys
 from pathlib import Path
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.data import prepared_once
 from draftsmith.train.launch import agree, detect
-from draftsmith.train.rundir import SetupError
 launch = detect()
 agree(launch, "start", "", 60)
 if launch.first:
     sys.exit(3)  # fails before it prepares anything
 try:
     prepared_once(Path(sys.argv[1]), None, 600, launch, poll_s=0.2)
-except SetupError as e:
+except DraftsmithError as e:
     print("error:", e, flush=True)
 """
 
@@ -305,7 +307,7 @@ def test_a_trainer_unlike_the_launch_is_refused_before_any_work(monkeypatch):
         monkeypatch.setenv(k, v)
     launch = detect()
     check_trainer(launch, 2, 2)
-    with pytest.raises(LaunchError, match=r"^rank 3 \(torchrun\): .*devices=1.*num_nodes=1.* does not match the "
+    with pytest.raises(DraftsmithError, match=r"^rank 3 \(torchrun\): .*devices=1.*num_nodes=1.* does not match the "
                                           r"world size \(4\)"):
         check_trainer(launch, 1, 1)
 

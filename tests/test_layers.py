@@ -95,7 +95,8 @@ def test_the_deploy_path_loads_no_trainer():
     code = ("import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]; "
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({TRAINER!r})))")
     deploy_path = ["draftsmith.deploy.cli", "draftsmith.sampling.generate", "draftsmith.deploy.export",
-                   "draftsmith.deploy.conformance", "draftsmith.deploy.engines", "draftsmith.deploy.bundle"]
+                   "draftsmith.deploy.conformance", "draftsmith.train.engines.vllm",
+                   "draftsmith.train.engines.llamacpp", "draftsmith.deploy.bundle"]
     res = subprocess.run([sys.executable, "-c", code, *deploy_path], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]", res.stdout

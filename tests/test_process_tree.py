@@ -1,5 +1,5 @@
 """vLLM's processes end with the run that started them, however it ends (train/process_tree.py), in the trainer's
-corpus engine (`vllm_batches`) and in deploy_check's (`VllmEngine`). Here a stand-in for vLLM's python runs the
+corpus engine (`engines.vllm.batches`) and in deploy_check's (`VllmEngine`). Here a stand-in for vLLM's python runs the
 real guard and a fake worker that, as vLLM's does, starts an engine process of its own and leaves it running: a
 worker killed alone leaves it behind. The same endings with vLLM itself: tests/test_engines.py."""
 
@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import processes_after, processes_of
 
-from draftsmith.train.generation import EngineError, vllm_batches
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train.engines.vllm import batches as vllm_batches
 
 
 class Check:
@@ -26,7 +27,7 @@ class Check:
 
     def __call__(self, samples, version):
         if self.refuse:
-            raise EngineError("planted: the check refuses the engine")
+            raise DraftsmithError("planted: the check refuses the engine")
 
 
 def _corpus(target, check, **kw):
@@ -37,7 +38,7 @@ def _corpus(target, check, **kw):
 
 
 def _deploy(target):
-    from draftsmith.deploy.engines import VllmEngine
+    from draftsmith.train.engines.vllm import VllmEngine
 
     return VllmEngine(SimpleNamespace(target_dir=target, path=target), timeout_s=120).run([], speculative=False)
 
@@ -46,7 +47,6 @@ def _deploy(target):
 def test_the_engines_process_tree_ends_with_the_run_done_or_failed(fake_vllm, monkeypatch, which):
     """The run's work done, then an error: no process of the engine's is left after either (before process_tree,
     the engine's own process outlived both, and deploy_check waited on its open pipe until its timeout)."""
-    from draftsmith.deploy.engines import EngineFailed
 
     for key, value in fake_vllm.env.items():
         monkeypatch.setenv(key, value)
@@ -56,11 +56,11 @@ def test_the_engines_process_tree_ends_with_the_run_done_or_failed(fake_vllm, mo
     left = processes_after(fake_vllm.marker)
     assert left == [], f"{len(left)} process(es) of the engine outlived the run's success: {left}"
     if which == "corpus":
-        with pytest.raises(EngineError, match="planted"):
+        with pytest.raises(DraftsmithError, match="planted"):
             _corpus(fake_vllm.target, Check(refuse=True))
     else:
         monkeypatch.setenv("FAKE_VLLM", "fail")
-        with pytest.raises(EngineFailed, match="planted failure"):
+        with pytest.raises(DraftsmithError, match="planted failure"):
             _deploy(fake_vllm.target)
     left = processes_after(fake_vllm.marker)
     assert left == [], f"{len(left)} process(es) of the engine outlived the run's error: {left}"
@@ -69,7 +69,7 @@ def test_the_engines_process_tree_ends_with_the_run_done_or_failed(fake_vllm, mo
 RUN = {  # a run that uses the engine, in a process of its own, until a signal ends it
     "corpus": """
 import sys, torch
-from draftsmith.train.generation import vllm_batches
+from draftsmith.train.engines.vllm import batches as vllm_batches
 class Check:
     request = {"prompt": [1, 2], "n": 4, "seed": 0}
     def __call__(self, samples, version):
@@ -81,7 +81,7 @@ list(vllm_batches(sys.argv[1], torch.float32, [[1, 2]], 1, seed=0, first_row=0, 
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from draftsmith.deploy.engines import VllmEngine
+from draftsmith.train.engines.vllm import VllmEngine
 VllmEngine(SimpleNamespace(target_dir=Path(sys.argv[1])), timeout_s=120).run([], speculative=False)
 """,
 }
@@ -127,6 +127,6 @@ def test_the_request_carries_vllms_share_of_the_gpu(fake_vllm, monkeypatch):
     assert request["gpu_memory_utilization"] == 0.35 and request["dtype"] == "bfloat16"
     assert request["tensor_parallel_size"] == 1
     assert processes_after(fake_vllm.marker) == []
-    with pytest.raises(EngineError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+    with pytest.raises(DraftsmithError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         next(vllm_batches(str(fake_vllm.target), __import__("torch").float32, [[1, 2]], 1, seed=0, first_row=0,
                           max_new_tokens=2, temperature=1.0, top_p=1.0, eos=0, gpu_memory_utilization=1.5))

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_cli import cli
 
-from draftsmith.sampling.load import ModelNotFound, load_model, resolve
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.load import load_model, resolve
 
 
 @pytest.fixture()
@@ -26,7 +27,7 @@ def test_nan_weights_are_refused_by_loader_and_cli(tiny_copy):
     name = next(k for k in state if "layers.1.mlp" in k)
     state[name][0, 0] = float("nan")
     save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(ModelNotFound, match=f"weight .*{name.split('.')[-2]}.* NaN or Inf"):
+    with pytest.raises(DraftsmithError, match=f"weight .*{name.split('.')[-2]}.* NaN or Inf"):
         load_model(str(tiny_copy), "fp32")
     res = cli("--draft", str(tiny_copy), "--prompt", "def f(x):", "--max-new-tokens", "4")
     last = res.stderr.strip().splitlines()[-1]
@@ -38,7 +39,7 @@ def test_remote_code_is_refused_unless_trusted(tiny_copy):
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (tiny_copy / "config.json").write_text(json.dumps(cfg))
     (tiny_copy / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
-    with pytest.raises(ModelNotFound, match="asks to run its own Python code"):
+    with pytest.raises(DraftsmithError, match="asks to run its own Python code"):
         load_model(str(tiny_copy), "fp32")
     res = cli("--draft", str(tiny_copy), "--prompt", "x", "--max-new-tokens", "2")
     assert res.returncode == 2 and "--trust-remote-code" in res.stderr and "remote code ran" not in res.stderr
@@ -126,7 +127,8 @@ def test_crafted_and_foreign_checkpoints_are_refused_never_run(tmp_path):
     import os
     import pickle
 
-    from draftsmith.train.rundir import SetupError, resume_checkpoint
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.train.rundir import resume_checkpoint
 
     marker = tmp_path / "pwned"
 
@@ -136,12 +138,12 @@ def test_crafted_and_foreign_checkpoints_are_refused_never_run(tmp_path):
 
     crafted = tmp_path / "crafted.ckpt"
     torch.save({"state_dict": {}, "global_step": 1, "x": Payload()}, crafted, pickle_module=pickle)
-    with pytest.raises(SetupError, match="holds pickled objects beyond tensors: refused, nothing in it was run"):
+    with pytest.raises(DraftsmithError, match="holds pickled objects beyond tensors: refused, nothing in it was run"):
         resume_checkpoint(tmp_path, str(crafted))
     assert not marker.exists()
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"model": {"w": torch.zeros(2)}}, foreign)
-    with pytest.raises(SetupError, match="is not a draftsmith training checkpoint"):
+    with pytest.raises(DraftsmithError, match="is not a draftsmith training checkpoint"):
         resume_checkpoint(tmp_path, str(foreign))
     ours = tmp_path / "ours.ckpt"
     torch.save({"state_dict": {"draft.w": torch.zeros(2)}, "global_step": 3}, ours)
@@ -173,7 +175,7 @@ def test_damaged_checkpoint_files_are_named(tiny_copy, damage, message):
     from draftsmith.sampling.load import load_tokenizer
 
     damage(tiny_copy)
-    with pytest.raises(ModelNotFound, match=message) as e:
+    with pytest.raises(DraftsmithError, match=message) as e:
         load_model(str(tiny_copy), "fp32")
         load_tokenizer(str(tiny_copy))
     assert str(tiny_copy) in str(e.value) and "\n" not in str(e.value)
@@ -194,7 +196,7 @@ def test_truncated_gguf_is_refused_before_conversion(tmp_path):
     w.close()
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size - 1024)
-    with pytest.raises(ModelNotFound, match="m.gguf is (truncated|not a readable GGUF)"):
+    with pytest.raises(DraftsmithError, match="m.gguf is (truncated|not a readable GGUF)"):
         load_model(str(f), "fp32")
     assert not (cache_home() / "models" / "m").exists()  # nothing written
 
@@ -205,10 +207,11 @@ def test_truncated_gguf_is_refused_before_conversion(tmp_path):
     ("cut.parquet", b"PAR1 not really a parquet file", "as parquet"),
 ])
 def test_damaged_corpus_files_are_named(tmp_path, name, data, message):
-    from draftsmith.train.corpus import CorpusError, _documents
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.train.corpus import _documents
 
     (tmp_path / name).write_bytes(data)
-    with pytest.raises(CorpusError, match=message) as e:
+    with pytest.raises(DraftsmithError, match=message) as e:
         _documents(str(tmp_path / name), "text", None)
     assert name in str(e.value) and "\n" not in str(e.value)
 
@@ -217,12 +220,53 @@ def test_a_parquet_without_the_text_field_is_named_and_an_empty_jsonl_line_loses
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from draftsmith.train.corpus import CorpusError, _documents
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.train.corpus import _documents
 
     pq.write_table(pa.table({"content": ["def f(): pass", "x = 1"]}), tmp_path / "code.parquet")
-    with pytest.raises(CorpusError, match=r"code.parquet has no 'text' column \(it has \['content'\]\); "
+    with pytest.raises(DraftsmithError, match=r"code.parquet has no 'text' column \(it has \['content'\]\); "
                                           "set data.text_field"):
         _documents(str(tmp_path / "code.parquet"), "text", None)
     assert _documents(str(tmp_path / "code.parquet"), "content", None) == ["def f(): pass", "x = 1"]
     (tmp_path / "gap.jsonl").write_text('{"text": "first"}\n\n{"text": "second"}\n')
     assert _documents(str(tmp_path / "gap.jsonl"), "text", None) == ["first", "second"]
+
+
+def test_one_error_type_is_raised_by_every_layer_and_no_module_defines_another():
+    """A library user catches DraftsmithError alone: a refusal of the sampler, the trainer, an engine and the deploy
+    path is one, DiskFull is also an OSError (ENOSPC) and MissingExtra an ImportError; and no module grows a family
+    of its own again (SetupError, CorpusError, ExportError, BundleError, ModelNotFound, EngineError, ... before)."""
+    import ast
+    import errno
+    from pathlib import Path
+
+    from conftest import ROOT
+
+    from draftsmith.deploy.export import locate
+    from draftsmith.train import MissingExtra
+    from draftsmith.train.diskfull import DiskFull
+    from draftsmith.train.engines import open_engine
+    from draftsmith.train.rundir import check_writable
+
+    raised = []
+    for refuse in (lambda: resolve("no-such-model.gguf"), lambda: locate(Path("/nonexistent-run"), None),
+                   lambda: open_engine("no-such-engine", None), lambda: check_writable("/proc/draftsmith-run")):
+        with pytest.raises(DraftsmithError) as e:
+            refuse()
+        raised.append(type(e.value))
+    assert raised == [DraftsmithError] * 4
+    full = DiskFull("disk full: could not write x to y")
+    assert isinstance(full, DraftsmithError) and isinstance(full, OSError) and full.errno == errno.ENOSPC
+    extra = MissingExtra("train", ["lightning"])
+    assert isinstance(extra, DraftsmithError) and isinstance(extra, ImportError) and extra.name == "lightning"
+
+    allowed = {"DraftsmithError", "DiskFull", "MissingExtra"}
+    defined = set()
+    for layer in ("sampling", "train", "deploy"):
+        for path in (ROOT / layer).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and any(
+                        getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "NotFound"))
+                        for b in node.bases):
+                    defined.add(f"{path.relative_to(ROOT)}:{node.name}")
+    assert {d.split(":")[1] for d in defined} <= allowed, sorted(defined)

@@ -24,16 +24,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import stdlib_sources
 from draftsmith.sampling.machine import atomic_path, cache_home
 from draftsmith.train.diskfull import disk_full
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
-
-
-class CorpusError(ValueError):
-    pass
 
 
 _POS_BITS = 20  # a sample's token's pointer: row << 20 | its position in the row (a row is far shorter than 2**20)
@@ -58,12 +55,12 @@ def _documents(source: str, text_field: str, max_documents: int | None) -> list[
             elif path.is_file():
                 files = [str(path)]
             if not files:
-                raise CorpusError(f"no data files ({', '.join(_BUILDERS)}) under {source}")
+                raise DraftsmithError(f"no data files ({', '.join(_BUILDERS)}) under {source}")
             suffixes = {Path(f).suffix for f in files}
             builders = {_BUILDERS.get(s) for s in suffixes}
             if None in builders or len(builders) != 1:
-                raise CorpusError(f"mixed or unsupported file types {sorted(suffixes)} in {source}; "
-                                  f"use one of {', '.join(_BUILDERS)}")
+                raise DraftsmithError(f"mixed or unsupported file types {sorted(suffixes)} in {source}; "
+                                      f"use one of {', '.join(_BUILDERS)}")
             builder = builders.pop()
             kw = {"sample_by": "document"} if builder == "text" else {}
             try:
@@ -73,19 +70,19 @@ def _documents(source: str, text_field: str, max_documents: int | None) -> list[
                 cause = e.__cause__ or e.__context__
                 why = f"{type(cause).__name__}: {str(cause)[:160]}" if cause else f"{type(e).__name__}: {first}"
                 where = files[0] if len(files) == 1 else f"{len(files)} files under {source}"
-                raise CorpusError(f"could not read corpus {where} as {builder} ({why}); fix or remove the "
-                                  "damaged file") from None
+                raise DraftsmithError(f"could not read corpus {where} as {builder} ({why}); fix or remove the "
+                                      "damaged file") from None
         elif source.startswith((".", "/", "~")) or source.count("/") > 1:
-            raise CorpusError(f"corpus not found: {source}")
+            raise DraftsmithError(f"corpus not found: {source}")
         else:
             try:
                 ds = datasets.load_dataset(source, split="train")
             except Exception as e:
-                raise CorpusError(f"could not load dataset {source!r} ({type(e).__name__}: {str(e)[:120]}); "
-                                  "pass a local directory or data files") from None
+                raise DraftsmithError(f"could not load dataset {source!r} ({type(e).__name__}: {str(e)[:120]}); "
+                                      "pass a local directory or data files") from None
     if text_field not in ds.column_names:
-        raise CorpusError(f"corpus {source} has no '{text_field}' column (it has {ds.column_names}); "
-                          "set data.text_field")
+        raise DraftsmithError(f"corpus {source} has no '{text_field}' column (it has {ds.column_names}); "
+                              "set data.text_field")
     if max_documents:
         ds = ds.select(range(min(max_documents, len(ds))))
     return [t for t in ds[text_field] if t and t.strip()]
@@ -126,7 +123,7 @@ def pair_rows(source: str, prompt_field: str = "prompt", completion_field: str =
         return None
     pairs = [(p, c) for p, c in zip(ds[prompt_field], ds[completion_field]) if p and c]
     if not pairs:
-        raise CorpusError(f"{source} has no row with both a '{prompt_field}' and a '{completion_field}'")
+        raise DraftsmithError(f"{source} has no row with both a '{prompt_field}' and a '{completion_field}'")
     return [p for p, _ in pairs], [c for _, c in pairs]
 
 
@@ -169,7 +166,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
     `generate_corpus` file also 'train_src' (N, block_size): where each position's kept target logits are
     (`prefill_teacher`)."""
     if block_size < 2:
-        raise CorpusError(f"data.block_size must be >= 2, got {block_size}")
+        raise DraftsmithError(f"data.block_size must be >= 2, got {block_size}")
     path = blocks_cache(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
     if path.is_file():
         try:
@@ -186,7 +183,7 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
         docs = [(r, row) for r, row in enumerate(rows[:max_documents] if max_documents else rows)
                 if row.get("text", "").strip() or row.get("ids")]
     if not docs:
-        raise CorpusError(f"corpus {source} is empty")
+        raise DraftsmithError(f"corpus {source} is empty")
     g = torch.Generator(device="cpu").manual_seed(seed)  # the document order: host-side, the same everywhere
     order = torch.randperm(len(docs), generator=g, device="cpu").tolist()
     n_val = max(1, int(round(len(docs) * val_fraction))) if len(docs) > 1 else 0
@@ -207,9 +204,9 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
                 n, block_size)
     if len(out["train"]) < min_train_blocks or len(out["val"]) < min_val_blocks:
         total = sum(len(out[k]) * block_size for k in ("train", "val"))
-        raise CorpusError(f"corpus {source} is too small: {total} tokens make {len(out['train'])} train and "
-                          f"{len(out['val'])} val blocks of {block_size}; need {min_train_blocks} and "
-                          f"{min_val_blocks} (lower data.block_size or add text)")
+        raise DraftsmithError(f"corpus {source} is too small: {total} tokens make {len(out['train'])} train and "
+                              f"{len(out['val'])} val blocks of {block_size}; need {min_train_blocks} and "
+                              f"{min_val_blocks} (lower data.block_size or add text)")
     need = sum(t.numel() * t.element_size() for t in out.values())
     with disk_full("the tokenized blocks", path, need=need, then="free space there or point DRAFTSMITH_HOME at a "
                    "larger disk, and rerun (the corpus is tokenized again; nothing else was written)"), \
@@ -261,7 +258,8 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     from tqdm import tqdm
 
     from draftsmith.sampling.prompts import pad_id, prompt_rows
-    from draftsmith.train.generation import own_batches, teacher_batches, vllm_batches
+    from draftsmith.train.engines import vllm
+    from draftsmith.train.generation import own_batches, teacher_batches
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,7 +278,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
                                   **sampling)
         engine = "teacher pass"
     elif engine == "vllm":
-        batches = vllm_batches(target_name or target.config.name_or_path, dtype or target.dtype, rows, batch_size,
+        batches = vllm.batches(target_name or target.config.name_or_path, dtype or target.dtype, rows, batch_size,
                                check=check, tensor_parallel_size=tensor_parallel_size,
                                data_parallel_size=data_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                                **sampling)

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import read_json, write_json
 from draftsmith.train.launch import Launch, detect, rank0_gone
-from draftsmith.train.rundir import SetupError
 
 DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on, fixed at its first start
 
@@ -56,22 +56,22 @@ def prepared_once(out_dir: Path, prepare, timeout_s: float, launch: Launch | Non
             while not record.is_file():
                 gone = rank0_gone(launch)
                 if gone and not record.is_file():
-                    raise SetupError(f"rank {launch.rank}: rank 0 stopped before it prepared the corpus ({record} "
-                                     f"never came; its store: {gone}): see rank 0's log")
+                    raise DraftsmithError(f"rank {launch.rank}: rank 0 stopped before it prepared the corpus ({record} "
+                                          f"never came; its store: {gone}): see rank 0's log")
                 if time.monotonic() > deadline:
-                    raise SetupError(f"rank {launch.rank} waited {timeout_s / 60:.3g} min for rank 0 to prepare the "
-                                     f"corpus ({record} never came): see rank 0's log; a slow preparation needs a "
-                                     "larger launch.wait_minutes")
+                    raise DraftsmithError(f"rank {launch.rank} waited {timeout_s / 60:.3g} min for rank 0 to prepare "
+                                          f"the corpus ({record} never came): see rank 0's log; a slow preparation "
+                                          "needs a larger launch.wait_minutes")
                 time.sleep(poll_s)
     data = read_json(record)
     if data is None:
-        raise SetupError(f"{record} is not readable JSON: delete it to prepare this run's corpus again")
+        raise DraftsmithError(f"{record} is not readable JSON: delete it to prepare this run's corpus again")
     if data.get("rows") is not None:
         path = Path(data["source"])
         have = line_count(path) if path.is_file() else 0
         if have < data["rows"] or rows_digest(path, data["rows"]) != data["sha256"]:
-            raise SetupError(f"the corpus this run trained on changed: {path} no longer starts with the "
-                             f"{data['rows']} samples recorded in {record}; resume in a new hydra.run.dir")
+            raise DraftsmithError(f"the corpus this run trained on changed: {path} no longer starts with the "
+                                  f"{data['rows']} samples recorded in {record}; resume in a new hydra.run.dir")
     return data
 
 
@@ -154,57 +154,58 @@ def check_data(cfg, tokenizer) -> None:
     """Refuse data settings that cannot work, before anything is loaded or written (one line each)."""
     d = cfg.data
     if cfg.checkpoint.monitor == "val/alpha_on_target" and not cfg.sampler.on_target_tokens:
-        raise SetupError("checkpoint.monitor=val/alpha_on_target needs its sample set: set sampler.on_target_tokens "
-                         "> 0 or monitor another metric (val/alpha, val/alpha_analytic)")
+        raise DraftsmithError("checkpoint.monitor=val/alpha_on_target needs its sample set: set "
+                              "sampler.on_target_tokens > 0 or monitor another metric (val/alpha, val/alpha_analytic)")
     f = d.on_policy_fraction
     if not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-        raise SetupError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
-                         f"itself), got {f}")
+        raise DraftsmithError(f"data.on_policy_fraction must be in [0, 1] (the share of each batch the draft samples "
+                              f"itself), got {f}")
     start = d.get("on_policy_from", 0.0)
     if not isinstance(start, (int, float)) or not 0.0 <= start < 1.0:
-        raise SetupError(f"data.on_policy_from must be in [0, 1) (the fraction of training after which on-policy "
-                         f"rows start), got {start}")
+        raise DraftsmithError(f"data.on_policy_from must be in [0, 1) (the fraction of training after which on-policy "
+                              f"rows start), got {start}")
     if cfg.sampler.get("compile") and cfg.draft.get("kind", "independent") == "feature_head":
-        raise SetupError("sampler.compile=true compiles independent drafts; a feature draft validates eagerly: "
-                         "set sampler.compile=false")
+        raise DraftsmithError("sampler.compile=true compiles independent drafts; a feature draft validates eagerly: "
+                              "set sampler.compile=false")
     if cfg.draft.get("init_from") and cfg.draft.get("kind", "independent") == "feature_head":
-        raise SetupError("draft.init_from continues an independent draft; a feature draft cannot start from one")
+        raise DraftsmithError("draft.init_from continues an independent draft; a feature draft cannot start from one")
     if f > 0 and cfg.draft.get("kind", "independent") == "feature_head":
-        raise SetupError(f"data.on_policy_fraction={f}: a feature draft cannot sample alone (it reads the target's "
-                         "features); use data=generated (the target's own samples) or data=fixed")
+        raise DraftsmithError(f"data.on_policy_fraction={f}: a feature draft cannot sample alone (it reads the "
+                              "target's features); use data=generated (the target's own samples) or data=fixed")
     if f > 0 and not cfg.loss.get("distill", True):
-        raise SetupError(f"data.on_policy_fraction={f} needs the target's logits on the draft's samples: "
-                         "choose a distillation loss (loss=distill_tv, forward_kl, jsd, ...), not loss=ce")
+        raise DraftsmithError(f"data.on_policy_fraction={f} needs the target's logits on the draft's samples: "
+                              "choose a distillation loss (loss=distill_tv, forward_kl, jsd, ...), not loss=ce")
     if f > 0 and round(f * d.batch_size) == 0:
-        raise SetupError(f"data.on_policy_fraction={f} of a batch of {d.batch_size} rounds to no row: raise it to "
-                         f"at least {0.5 / d.batch_size:.3f} or set it to 0")
+        raise DraftsmithError(f"data.on_policy_fraction={f} of a batch of {d.batch_size} rounds to no row: raise it to "
+                              f"at least {0.5 / d.batch_size:.3f} or set it to 0")
     if f > 0 and d.prompt_tokens >= d.block_size:
-        raise SetupError(f"data.prompt_tokens ({d.prompt_tokens}) leaves no room for an on-policy continuation in "
-                         f"blocks of {d.block_size}: lower it or raise data.block_size")
+        raise DraftsmithError(f"data.prompt_tokens ({d.prompt_tokens}) leaves no room for an on-policy continuation in "
+                              f"blocks of {d.block_size}: lower it or raise data.block_size")
     if d.chat_template and not getattr(tokenizer, "chat_template", None):
-        raise SetupError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
-                         "set data.chat_template=false")
+        raise DraftsmithError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
+                              "set data.chat_template=false")
     topk = cfg.loss.get("teacher_topk", 0)
     if topk and not cfg.loss.get("distill", True):
-        raise SetupError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
-                         "it to 0")
+        raise DraftsmithError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "
+                              "it to 0")
     if d.get("features", "stored") not in ("stored", "online"):
-        raise SetupError(f"data.features must be stored (kept in the store) or online (the target computes them in "
-                         f"each step), got {d.features}")
+        raise DraftsmithError(f"data.features must be stored (kept in the store) or online (the target computes them "
+                              f"in each step), got {d.features}")
     g = d.generated
     if g.enabled:
         if g.max_minutes is not None and not g.max_minutes > 0:
-            raise SetupError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got {g.max_minutes}")
+            raise DraftsmithError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got "
+                                  f"{g.max_minutes}")
         engine = g.get("engine", "draftsmith")
         if engine not in ("draftsmith", "vllm", "auto"):
-            raise SetupError(f"data.generated.engine must be draftsmith, vllm or auto, got {engine}")
+            raise DraftsmithError(f"data.generated.engine must be draftsmith, vllm or auto, got {engine}")
         if engine != "draftsmith" and cfg.sampler.get("top_k", 0):
-            raise SetupError(f"data.generated.engine={engine} samples with temperature and top-p only; with "
-                             f"sampler.top_k={cfg.sampler.top_k} use data.generated.engine=draftsmith")
+            raise DraftsmithError(f"data.generated.engine={engine} samples with temperature and top-p only; with "
+                                  f"sampler.top_k={cfg.sampler.top_k} use data.generated.engine=draftsmith")
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
         if budget < d.batch_size * d.block_size:
-            raise SetupError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "
-                             f"{g.samples_per_prompt} x {g.max_new_tokens}), less than one batch of "
-                             f"{d.batch_size} x {d.block_size}: raise data.generated.n_prompts or max_new_tokens")
+            raise DraftsmithError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "
+                                  f"{g.samples_per_prompt} x {g.max_new_tokens}), less than one batch of "
+                                  f"{d.batch_size} x {d.block_size}: raise data.generated.n_prompts or max_new_tokens")
 
 

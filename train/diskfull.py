@@ -12,12 +12,17 @@ import os
 import shutil
 from pathlib import Path
 
+from draftsmith.sampling.errors import DraftsmithError
+
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class DiskFull(OSError):
+class DiskFull(DraftsmithError, OSError):
+    """A full disk (or quota): a DraftsmithError whose line says what, where, how much and what a rerun does, and
+    an OSError with ENOSPC, so that code written against a plain full disk still sees one."""
+
     def __init__(self, message: str):
-        super().__init__(errno.ENOSPC, message)
+        OSError.__init__(self, errno.ENOSPC, message)
         self.message = message
 
     def __str__(self) -> str:

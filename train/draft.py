@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train import MissingExtra, require_train_extra
 
 try:  # first: without the `train` extra, the entry says which install is missing in one line, not a traceback
@@ -30,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.sampling.feature import FeatureConfig
-from draftsmith.sampling.load import ModelNotFound, load_model, load_tokenizer
+from draftsmith.sampling.load import load_model, load_tokenizer
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.precision import DTYPES, cuda_dtype, run_info, trainer_precision
 from draftsmith.sampling.precision import resolve as resolve_dtype
@@ -40,14 +41,7 @@ from draftsmith.sampling.pruned import top_tokens
 from draftsmith.train import schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
-from draftsmith.train.corpus import (
-    CorpusError,
-    generate_corpus,
-    load_blocks,
-    pair_rows,
-    prefill_teacher,
-    sampled_rows,
-)
+from draftsmith.train.corpus import generate_corpus, load_blocks, pair_rows, prefill_teacher, sampled_rows
 from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
@@ -58,12 +52,11 @@ from draftsmith.train.data import (
     rows_digest,
     validation_prompts,
 )
-from draftsmith.train.diskfull import DiskFull
+from draftsmith.train.engines import vllm
 from draftsmith.train.feature import build_feature_draft
-from draftsmith.train.generation import EngineCheck, EngineError, check_vllm, choose_engine, measure_engines
+from draftsmith.train.generation import EngineCheck, choose_engine, measure_engines
 from draftsmith.train.launch import (
     Launch,
-    LaunchError,
     agree,
     check_trainer,
     cluster_environment,
@@ -77,7 +70,7 @@ from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.progress import RunProgress
 from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
 from draftsmith.train.report import final_report, print_report
-from draftsmith.train.rundir import AtomicCheckpointIO, SetupError, check_writable, claim_run_dir, resume_checkpoint
+from draftsmith.train.rundir import AtomicCheckpointIO, check_writable, claim_run_dir, resume_checkpoint
 from draftsmith.train.strategy import build_strategy
 from draftsmith.train.teacher import TeacherCache
 from draftsmith.train.tracking import log_config, log_draft, loggers
@@ -113,7 +106,7 @@ def train(cfg: DictConfig) -> dict:
     # memory first (data.generated.gpu_memory_utilization), and the target loads beside it when its check needs it
     vllm_first = _vllm_samples(cfg) and weights is not None
     if _vllm_samples(cfg) and launch.first:  # the rank that samples: no vLLM, or a target it cannot run, refused
-        check_vllm(cfg.target.name)  # before any work
+        vllm.ready(cfg.target.name)  # before any work
     target = _load_target(cfg) if (launch.first or weights is None) and not vllm_first else None
     target_config = (weights or target).config
 
@@ -149,13 +142,13 @@ def train(cfg: DictConfig) -> dict:
     head_tokens = None
     if draft_cfg.draft_vocab and draft_cfg.kind != "feature_head":  # the sampler's choice of rows (+ EOS)
         if draft_cfg.draft_vocab >= target_config.vocab_size:
-            raise SetupError(f"draft.draft_vocab={draft_cfg.draft_vocab} prunes nothing: the target has "
-                             f"{target_config.vocab_size} tokens; set it lower or to null (the full head)")
+            raise DraftsmithError(f"draft.draft_vocab={draft_cfg.draft_vocab} prunes nothing: the target has "
+                                  f"{target_config.vocab_size} tokens; set it lower or to null (the full head)")
         head_tokens = top_tokens(_head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.draft_vocab,
                                  [tok.eos_token_id])
     if draft.config.vocab_size != target_config.vocab_size:
-        raise SetupError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target_config.vocab_size}); drafts must share the target's tokenizer")
+        raise DraftsmithError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                              f"({target_config.vocab_size}); drafts must share the target's tokenizer")
 
     # 4. Lightning: module, acceptance validation, best-by-acceptance checkpoints, loggers.
     topk = cfg.loss.get("teacher_topk", 0)
@@ -314,7 +307,7 @@ def _plan(cfg) -> dict:
 
     draft_cfg = _draft_config(cfg)
     if draft_cfg.kind != "independent":
-        raise SetupError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
+        raise DraftsmithError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
     target_config = config_of(cfg.target.name)
     devices = cfg.trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) else 1
@@ -420,7 +413,7 @@ def _run_name(_root_) -> str:
     the launcher started (train/launch.py); the pid keeps two runs started in the same second apart."""
     try:
         return run_name(lambda: of_trainer(_root_.trainer), 60 * float(_root_.launch.join_minutes))
-    except LaunchError as e:  # raised while Hydra resolves the run dir: not a traceback, one line
+    except DraftsmithError as e:  # raised while Hydra resolves the run dir: not a traceback, one line
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -489,8 +482,9 @@ def _vllm_samples(cfg) -> bool:
 def _target_ranks_setting(cfg) -> str:
     placement = str(cfg.target.get("ranks", "auto"))
     if placement not in ("auto", "all", "first"):
-        raise SetupError(f"target.ranks must be all (a replica on every rank), first (rank 0 alone; the others train "
-                         f"on kept logits) or auto (first where training never calls the target), got {placement!r}")
+        raise DraftsmithError(f"target.ranks must be all (a replica on every rank), first (rank 0 alone; the others "
+                              f"train on kept logits) or auto (first where training never calls the target), got "
+                              f"{placement!r}")
     return placement
 
 
@@ -515,7 +509,7 @@ def _training_calls_target(cfg, feature: bool, online: bool, teacher_cache, kept
 def _target_ranks(placement: str, why: str | None) -> bool:
     """True: the target on rank 0 alone (it validates and reports); False: a replica on every rank."""
     if placement == "first" and why:
-        raise SetupError(f"target.ranks=first, but training calls the target ({why}): use target.ranks=all")
+        raise DraftsmithError(f"target.ranks=first, but training calls the target ({why}): use target.ranks=all")
     return placement == "first" or (placement == "auto" and why is None)
 
 
@@ -534,8 +528,7 @@ def app(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ModelNotFound, CorpusError, EngineError, SetupError, LaunchError, ValueError, FloatingPointError,
-            DiskFull) as e:
+    except (ValueError, FloatingPointError) as e:  # a DraftsmithError (DiskFull too), or bad input
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

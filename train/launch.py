@@ -30,9 +30,7 @@ from datetime import timedelta
 
 import torch
 
-
-class LaunchError(RuntimeError):
-    pass
+from draftsmith.sampling.errors import DraftsmithError
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ def check_trainer(launch: Launch, devices: int, num_nodes: int) -> None:
         try:
             cluster_environment(launch).validate_settings(num_devices=devices, num_nodes=num_nodes)
         except ValueError as e:
-            raise LaunchError(f"{launch.who()} ({launch.launcher}): {e}") from None
+            raise DraftsmithError(f"{launch.who()} ({launch.launcher}): {e}") from None
 
 
 def _address(launch: Launch) -> tuple[str, int]:
@@ -133,8 +131,8 @@ def _address(launch: Launch) -> tuple[str, int]:
         env = cluster_environment(launch)
         return env.main_address, env.main_port
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise LaunchError(f"{launch.who()} of {launch.starters} ({launch.launcher}): set MASTER_ADDR and MASTER_PORT "
-                          "alike on every node (rank 0's host and a free port), and NODE_RANK on each")
+        raise DraftsmithError(f"{launch.who()} of {launch.starters} ({launch.launcher}): set MASTER_ADDR and "
+                              "MASTER_PORT alike on every node (rank 0's host and a free port), and NODE_RANK on each")
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
@@ -154,10 +152,10 @@ def _store(launch: Launch, timeout_s: float):
     except RuntimeError as e:  # no one listening within the timeout, or rank 0 cannot listen there
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if launch.starter == 0 and not agent:
-            raise LaunchError(f"{launch.who()} ({launch.launcher}) cannot host the job's rendezvous at {addr}:{port} "
-                              f"({why}): set MASTER_PORT to a free port") from None
-        raise LaunchError(f"{launch.who()} ({launch.launcher}) found no rank 0 at {addr}:{port} within "
-                          f"{timeout_s:.0f} s ({why}): start rank 0, or raise launch.join_minutes") from None
+            raise DraftsmithError(f"{launch.who()} ({launch.launcher}) cannot host the job's rendezvous at "
+                                  f"{addr}:{port} ({why}): set MASTER_PORT to a free port") from None
+        raise DraftsmithError(f"{launch.who()} ({launch.launcher}) found no rank 0 at {addr}:{port} within "
+                              f"{timeout_s:.0f} s ({why}): start rank 0, or raise launch.join_minutes") from None
     _STORES[addr, port] = store
     return store, addr, port
 
@@ -183,9 +181,9 @@ def agree(launch: Launch, name: str, value: str, timeout_s: float, same: str | N
                 if time.monotonic() > deadline:
                     missing = [r for r in range(launch.starters) if not store.check([f"{key}/{r}"])]
                     unit = "nodes" if launch.launcher == "lightning" else "ranks"
-                    raise LaunchError(f"{launch.who()}: {unit} {', '.join(map(str, missing))} of {launch.starters} "
-                                      f"never joined at {where} within {timeout_s:.0f} s: start them (the same "
-                                      "command on every node), or raise launch.join_minutes")
+                    raise DraftsmithError(f"{launch.who()}: {unit} {', '.join(map(str, missing))} of {launch.starters} "
+                                          f"never joined at {where} within {timeout_s:.0f} s: start them (the same "
+                                          "command on every node), or raise launch.join_minutes")
                 time.sleep(0.05)
             other = [(r, v) for r in range(1, launch.starters) if (v := store.get(f"{key}/{r}").decode()) != value]
             if same and other:
@@ -193,20 +191,20 @@ def agree(launch: Launch, name: str, value: str, timeout_s: float, same: str | N
                 refused = (f"{launch.launcher} {launch.who().split()[0]} {r} has {name} {v}, rank 0 {value}"
                            f"{f' (and {len(other) - 1} more)' if len(other) > 1 else ''}: {same}")
                 store.set(key, _REFUSED + refused)
-                raise LaunchError(refused)
+                raise DraftsmithError(refused)
             store.set(key, value)
             return value
         store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
         answer = store.get(key).decode()
         if answer.startswith(_REFUSED):
-            raise LaunchError(answer.removeprefix(_REFUSED))
+            raise DraftsmithError(answer.removeprefix(_REFUSED))
         return answer
-    except LaunchError:
+    except DraftsmithError:
         raise
     except RuntimeError as e:  # a wait that timed out, or rank 0's store gone
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LaunchError(f"{launch.who()}: rank 0 never answered at {where} within {timeout_s:.0f} s ({why}): "
-                          "see rank 0's log, or raise launch.join_minutes") from None
+        raise DraftsmithError(f"{launch.who()}: rank 0 never answered at {where} within {timeout_s:.0f} s ({why}): "
+                              "see rank 0's log, or raise launch.join_minutes") from None
 
 
 def rank0_gone(launch: Launch) -> str | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.prompts import encode_prompts, load_prompts
 from draftsmith.train.data import validation_prompts
-from draftsmith.train.rundir import SetupError
 
 
 def prompt_texts(cfg, tokenizer, openings: torch.Tensor | None = None, use_file: bool = True) -> list[str]:
@@ -16,7 +16,7 @@ def prompt_texts(cfg, tokenizer, openings: torch.Tensor | None = None, use_file:
         try:
             texts = [r["prompt"] for r in load_prompts(str(cfg.data.prompts))]
         except (ValueError, OSError) as e:
-            raise SetupError(f"data.prompts: {e}") from None
+            raise DraftsmithError(f"data.prompts: {e}") from None
     else:
         texts = [tokenizer.decode(row, skip_special_tokens=True) for row in openings]
     if cfg.data.chat_template:
@@ -30,7 +30,7 @@ def prompt_tensor(texts: list[str], tokenizer, max_tokens: int) -> tuple[torch.T
     try:
         return encode_prompts(tokenizer, texts, max_tokens, special_tokens=False)
     except ValueError as e:
-        raise SetupError(f"no usable generation prompt: {e}") from None
+        raise DraftsmithError(f"no usable generation prompt: {e}") from None
 
 
 def split_prompts(cfg, tokenizer) -> tuple[list[str] | None, list[str] | None]:

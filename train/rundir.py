@@ -9,13 +9,10 @@ from pathlib import Path
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import atomic_path
 from draftsmith.train.diskfull import disk_full
 from draftsmith.train.launch import detect
-
-
-class SetupError(ValueError):
-    pass
 
 
 def check_writable(out_dir: str) -> Path:
@@ -26,7 +23,8 @@ def check_writable(out_dir: str) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise SetupError(f"output directory {path} is not writable ({e.strerror}); set hydra.run.dir=<writable dir>")
+        raise DraftsmithError(f"output directory {path} is not writable ({e.strerror}); set "
+                              "hydra.run.dir=<writable dir>")
     return path
 
 
@@ -43,8 +41,8 @@ def claim_run_dir(path: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        raise SetupError(f"{path} is in use by another training run (pid {lock.read().strip() or '?'}); "
-                         "give this one its own hydra.run.dir, or wait for that run to end") from None
+        raise DraftsmithError(f"{path} is in use by another training run (pid {lock.read().strip() or '?'}); "
+                              "give this one its own hydra.run.dir, or wait for that run to end") from None
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
@@ -60,17 +58,17 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
     path = ckpt_dir / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     if path.is_dir():  # DeepSpeed writes a checkpoint as a directory of shards, one per rank
         if not ((path / "latest").is_file() or any(path.glob("*/*model_states.pt"))):
-            raise SetupError(f"ckpt_path={ckpt_path}: {path} is a directory but not a DeepSpeed checkpoint (no "
-                             "'latest' file, no *model_states.pt): resume from this run's checkpoints/last.ckpt")
+            raise DraftsmithError(f"ckpt_path={ckpt_path}: {path} is a directory but not a DeepSpeed checkpoint (no "
+                                  "'latest' file, no *model_states.pt): resume from this run's checkpoints/last.ckpt")
         return str(path)
     if not path.is_file():
-        raise SetupError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
+        raise DraftsmithError(f"ckpt_path={ckpt_path}: {path} does not exist (resume with hydra.run.dir=<the run dir>)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, a file that is not ours
         if "Weights only load failed" in str(e):  # weights_only refuses any object but tensors and plain data
-            raise SetupError(f"checkpoint {path} holds pickled objects beyond tensors: refused, nothing in it was "
-                             "run (draftsmith's checkpoints hold only tensors and plain data)") from None
+            raise DraftsmithError(f"checkpoint {path} holds pickled objects beyond tensors: refused, nothing in it was "
+                                  "run (draftsmith's checkpoints hold only tensors and plain data)") from None
         good = []
         for other in sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
             if other == path:
@@ -82,11 +80,11 @@ def resume_checkpoint(out_dir: Path, ckpt_path: str | None) -> str | None:
             except Exception:
                 continue
         hint = f"; resume from the previous good one with ckpt_path={good[0]}" if good else ""
-        raise SetupError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}){hint}") from None
+        raise DraftsmithError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}){hint}") from None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if not state or "global_step" not in ckpt or not all(k.startswith("draft.") for k in state):
-        raise SetupError(f"checkpoint {path} is not a draftsmith training checkpoint (no Lightning state of a "
-                         "draft): resume from this run's own checkpoints/last.ckpt")
+        raise DraftsmithError(f"checkpoint {path} is not a draftsmith training checkpoint (no Lightning state of a "
+                              "draft): resume from this run's own checkpoints/last.ckpt")
     return str(path)
 
 

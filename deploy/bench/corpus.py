@@ -16,9 +16,10 @@ import time
 
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.load import load_model, load_tokenizer
-from draftsmith.sampling.machine import machine, vllm_python
+from draftsmith.sampling.machine import machine
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
-from draftsmith.train.generation import own_batches, vllm_batches
+from draftsmith.train.engines import vllm
+from draftsmith.train.generation import own_batches
 
 
 def main(argv=None, prog=None) -> int:
@@ -38,12 +39,12 @@ def main(argv=None, prog=None) -> int:
     res = {"machine": machine(), "target": args.target, "dtype": str(target.dtype), "batch": len(rows),
            "max_new_tokens": args.max_new_tokens}
     for engine in ("draftsmith", "vllm"):
-        if engine == "vllm" and not vllm_python().is_file():
+        if engine == "vllm" and not vllm.installed():
             print("vllm: not installed (bash scripts/install_vllm.sh)")
             continue
         t0 = time.perf_counter()
         batches = (own_batches(target, rows, len(rows), pad=pad_id(tok), **common) if engine == "draftsmith" else
-                   vllm_batches(args.target, target.dtype, rows, len(rows), **common))
+                   vllm.batches(args.target, target.dtype, rows, len(rows), **common))
         _, _, tokens, _, seconds = next(batches)
         wall = time.perf_counter() - t0
         batches.close()

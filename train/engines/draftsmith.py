@@ -1,0 +1,49 @@
+"""Our own sampler as an engine (`sampling.speculative`), in this process: nothing to install."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftsmith.sampling.machine import device_of, seeded
+from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
+from draftsmith.train.engines.base import InProcess, Output
+
+
+class DraftsmithEngine(InProcess):
+    """Our sampler: each job's n samples of a prompt are n rows of one batch (chunked)."""
+
+    name = "draftsmith"
+    chunk = 512
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return version("draftsmith")
+
+    def run(self, jobs, speculative):
+        outs = []
+        for job in jobs:
+            g = seeded(device_of(self.target), job.seed)
+            tokens, seconds, drafted, accepted = [], 0.0, 0, 0
+            for prompt in job.prompts:
+                rows = []
+                for start in range(0, job.n, self.chunk):
+                    ids = torch.tensor([prompt] * min(self.chunk, job.n - start))
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        if speculative:
+                            gen = speculative_generate(self.target, self.draft, ids, max_new_tokens=job.max_new_tokens,
+                                                       k=self.k, temperature=job.temperature, top_p=job.top_p,
+                                                       eos_token_id=self.eos, generator=g)
+                            drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+                        else:
+                            gen = autoregressive_generate(self.target, ids, max_new_tokens=job.max_new_tokens,
+                                                          temperature=job.temperature, top_p=job.top_p,
+                                                          eos_token_id=self.eos, generator=g)
+                    seconds += time.perf_counter() - t0
+                    rows += [t.tolist() for t in gen.tokens]
+                tokens.append(rows)
+            outs.append(Output(tokens, seconds, drafted if speculative else None, accepted if speculative else None))
+        return outs

