@@ -366,7 +366,7 @@ def main(argv=None, prog=None) -> int:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
                      prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
                      dtype=args.dtype, device=args.device)
-    except (DraftsmithError, DraftsmithError, ValueError) as e:
+    except ValueError as e:  # a DraftsmithError, or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     spec = json.loads((out / "speculative.json").read_text())

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from draftsmith.sampling.errors import DraftsmithError
+
 
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values are views of a (B, H, capacity, D) buffer filled up to `length`."""
@@ -57,7 +59,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+            raise DraftsmithError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         if self.is_initialized and tokens_to_remove:
             self.length -= abs(tokens_to_remove)
             self._view()

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.sampling.errors import DraftsmithError
+
 
 def examples(doc: str) -> str:
     """The indented usage lines of a module's docstring, as the `examples:` part of its --help."""
@@ -51,7 +53,7 @@ def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON ({type(e).__name__}): export the bundle again") from None
+        raise DraftsmithError(f"{path} is not readable JSON ({type(e).__name__}): export the bundle again") from None
 
 
 def _run_config(run: Path) -> dict:

@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from draftsmith.sampling.cache import Decoder, compaction_order, expand_slots, keep_index
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.pruned import PrunedHeadDraft, PrunedOutput
 
@@ -53,12 +54,12 @@ def compile_report() -> list[dict]:
 
 def check_compilable(model) -> None:
     if is_feature_draft(model):
-        raise ValueError("compile=True runs independent drafts and targets; a feature draft (its target's hidden "
-                         "states are handed over by hooks) runs eagerly: drop compile")
+        raise DraftsmithError("compile=True runs independent drafts and targets; a feature draft (its target's hidden "
+                              "states are handed over by hooks) runs eagerly: drop compile")
     types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in types) or getattr(model.config, "sliding_window", None):
-        raise ValueError(f"compile=True needs full-attention layers; {type(model).__name__} has sliding-window "
-                         "layers, whose static cache cannot hold masked holes: drop compile")
+        raise DraftsmithError(f"compile=True needs full-attention layers; {type(model).__name__} has sliding-window "
+                              "layers, whose static cache cannot hold masked holes: drop compile")
 
 
 # inductor's settings for a model with frozen weights: the weights become constants of the graph (packed once for
@@ -146,7 +147,7 @@ class StaticDecoder(Decoder):
         self.capacity = max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
         self.cache = StaticCache(config=model.config, max_cache_len=self.capacity)
         if not all(type(layer) is StaticLayer for layer in self.cache.layers):
-            raise ValueError("compile=True needs full-attention layers only: drop compile")
+            raise DraftsmithError("compile=True needs full-attention layers only: drop compile")
         self.step = _step_fn(model)
         self.valid: torch.Tensor | None = None
         self.valid_host: torch.Tensor | None = None
@@ -179,7 +180,7 @@ class StaticDecoder(Decoder):
         if self.rows is None:
             self.batch, self.rows = Bn, torch.arange(Bn, device=tokens.device)
         if self.filled + q > self.capacity:
-            raise RuntimeError(f"static cache of {self.capacity} slots is full ({self.filled} + {q})")
+            raise DraftsmithError(f"static cache of {self.capacity} slots is full ({self.filled} + {q})")
         full_tokens = tokens.new_zeros(self.batch, q)
         full_pos = positions.new_zeros(self.batch, q)
         full_tokens[self.rows], full_pos[self.rows] = tokens, positions
@@ -206,10 +207,10 @@ class StaticDecoder(Decoder):
             # later compile of that kernel loads it ("file too short")
             from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-            raise ValueError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "
-                             "on a CPU inductor needs a working C++ compiler (g++) and an intact kernel cache: "
-                             f"install g++, or delete {cache_dir()} (a killed compile can leave a broken kernel "
-                             "there), or drop compile") from e
+            raise DraftsmithError(f"torch.compile could not build the decoding step ({str(e.__cause__ or e)[:200]}); "
+                                  "on a CPU inductor needs a working C++ compiler (g++) and an intact kernel cache: "
+                                  f"install g++, or delete {cache_dir()} (a killed compile can leave a broken kernel "
+                                  "there), or drop compile") from e
         if (tokens.shape, keep) not in self.step.shapes:  # the first call of a shape compiled it
             self.step.shapes.add((tokens.shape, keep))
             _REPORT.append({"model": f"{type(self.model).__name__} ({self.model.config.num_hidden_layers} layers)",

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.probs import SamplingConfig, process_logits
 
@@ -135,7 +136,7 @@ class PairCells:
         if t1 not in self.q2:
             return (self.REST,)
         if len(sample) < 2:
-            raise ValueError(f"the engine stopped after token {t1}, which is not an EOS, with 2 tokens asked")
+            raise DraftsmithError(f"the engine stopped after token {t1}, which is not an EOS, with 2 tokens asked")
         t2 = sample[1]
         if not (self.q2[t1][t2] > 0 if self.possible2 is None else self.possible2[t1][t2]):
             return (self.IMPOSSIBLE,)
@@ -224,7 +225,7 @@ def _band(logits: torch.Tensor, cfg: SamplingConfig, eps: float):
         possible = logits.double() >= logits.double().max() - 2 * eps
         return (q if int(possible.sum()) == 1 else torch.zeros_like(q)), possible.double(), possible
     if 0 < cfg.top_k < logits.shape[-1]:
-        raise ValueError("a precision tolerance with top-k is not derived here; judge top-k sampling in fp32")
+        raise DraftsmithError("a precision tolerance with top-k is not derived here; judge top-k sampling in fp32")
     p = torch.softmax(logits.double() / cfg.temperature, -1)
     up, down = math.exp(eps), math.exp(-eps)
     if cfg.top_p >= 1.0:

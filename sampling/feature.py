@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.sampling.cache import PreallocatedLayer, keep_last
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.pruned import PrunedOutput
 
 KIND = "feature_head"  # `draftsmith_kind` in config.json; an independent draft is a plain HF checkpoint
@@ -63,7 +64,8 @@ class FeatureConfig:
         theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
         heads = tc.num_attention_heads
         if getattr(tc, "hidden_act", "silu") != "silu":
-            raise ValueError(f"the feature draft is a Llama-style layer (SiLU MLP); the target uses {tc.hidden_act}")
+            raise DraftsmithError(f"the feature draft is a Llama-style layer (SiLU MLP); the target uses "
+                                  f"{tc.hidden_act}")
         return cls(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
                    intermediate_size=intermediate_size or tc.intermediate_size, num_attention_heads=heads,
                    num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
@@ -76,21 +78,22 @@ class FeatureConfig:
     def __post_init__(self):
         layers, L = list(self.feature_layers), self.target_num_hidden_layers
         if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
-            raise ValueError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got {layers}")
+            raise DraftsmithError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
+                                  f"{layers}")
         # vLLM collects the target's states in layer order (`tuple(sorted(set(ids)))`): a draft whose fc reads them
         # in another order would be served silently wrong there
         if layers != sorted(layers):
-            raise ValueError(f"feature_layers {layers} are not in increasing order, the order in which vLLM passes "
-                             "the target's states: this draft cannot be served as trained")
+            raise DraftsmithError(f"feature_layers {layers} are not in increasing order, the order in which vLLM "
+                                  "passes the target's states: this draft cannot be served as trained")
 
     def check_target(self, tc) -> None:
         """A feature draft reads the hidden states of one target shape: refuse any other, naming both sides."""
         mine = (self.target_hidden_size, self.target_num_hidden_layers, self.vocab_size)
         theirs = (tc.hidden_size, tc.num_hidden_layers, tc.vocab_size)
         if mine != theirs:
-            raise ValueError(f"this feature draft was trained on a target of width {mine[0]}, {mine[1]} layers, "
-                             f"vocabulary {mine[2]}; the target given has width {theirs[0]}, {theirs[1]} layers, "
-                             f"vocabulary {theirs[2]}")
+            raise DraftsmithError(f"this feature draft was trained on a target of width {mine[0]}, {mine[1]} layers, "
+                                  f"vocabulary {mine[2]}; the target given has width {theirs[0]}, {theirs[1]} layers, "
+                                  f"vocabulary {theirs[2]}")
 
 
 class RMSNorm(nn.Module):
@@ -204,7 +207,7 @@ class FeatureDraft(nn.Module):
         """Restrict the head to `token_ids` (sorted target ids, one per head row)."""
         ids = token_ids.to(device=self.d2t.device, dtype=torch.long).sort().values
         if len(ids) != self.lm_head.weight.shape[0]:
-            raise ValueError(f"{len(ids)} token ids for a head of {self.lm_head.weight.shape[0]} rows")
+            raise DraftsmithError(f"{len(ids)} token ids for a head of {self.lm_head.weight.shape[0]} rows")
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
@@ -327,7 +330,7 @@ class FeatureDraft(nn.Module):
             model = cls(FeatureConfig(**{k: v for k, v in cfg.items() if k in FeatureConfig.__dataclass_fields__}))
             state = load_file(str(path / "model.safetensors"))
         except (OSError, json.JSONDecodeError, TypeError, SafetensorError) as e:
-            raise ValueError(f"{path} is not a readable feature draft ({type(e).__name__}: {e})") from None
+            raise DraftsmithError(f"{path} is not a readable feature draft ({type(e).__name__}: {e})") from None
         model.load_state_dict(state)
         return model.to(dtype).eval()
 

@@ -66,7 +66,7 @@ def _k(value: str):
     if value == "auto":
         return "auto"
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"-k must be an integer >= 1 or 'auto', got {value!r}")
+        raise DraftsmithError(f"-k must be an integer >= 1 or 'auto', got {value!r}")
     return int(value)
 
 
@@ -94,7 +94,7 @@ def main(argv=None, prog=None) -> int:
         SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before loading anything
         k = _k(args.k)
         if not args.prompt:
-            raise ValueError("the prompt is empty: pass --prompt TEXT")
+            raise DraftsmithError("the prompt is empty: pass --prompt TEXT")
         if args.threads:
             torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
@@ -104,16 +104,16 @@ def main(argv=None, prog=None) -> int:
             check_same_tokenizer(tok, load_tokenizer(source.path))
             draft = load_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
-                raise ValueError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
-                                 "training (draft.draft_vocab)")
+                raise DraftsmithError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
+                                      "training (draft.draft_vocab)")
             if args.draft_vocab and isinstance(draft, PrunedHeadDraft):
-                raise ValueError(f"{args.draft} was trained with a head of {len(draft.token_ids)} tokens and runs "
-                                 "with it: drop --draft-vocab")
+                raise DraftsmithError(f"{args.draft} was trained with a head of {len(draft.token_ids)} tokens and runs "
+                                      "with it: drop --draft-vocab")
             if args.draft_vocab:
                 try:
                     draft = prune_from_dir(draft, source.path, args.draft_vocab, [tok.eos_token_id])
                 except FileNotFoundError as e:
-                    raise ValueError(f"--draft-vocab needs token counts: {e}") from None
+                    raise DraftsmithError(f"--draft-vocab needs token counts: {e}") from None
         text = args.prompt
         if args.chat:
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -127,7 +127,7 @@ def main(argv=None, prog=None) -> int:
         else:
             extra = {"alpha_prior": min(0.95, source.alpha or 0.5)} if k == "auto" else {}
             gen = speculative_generate(target, draft, ids, k=k, **common, **extra)
-    except (ValueError, DraftsmithError) as e:
+    except ValueError as e:  # a DraftsmithError, or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     completion = tok.decode(gen.tokens[0], skip_special_tokens=True)

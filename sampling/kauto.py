@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import device_of
 
 _COSTS: dict = {}  # (id(target), id(draft), compile) -> measured cost model, for k="auto" without a given one
@@ -40,9 +41,9 @@ class KChooser:
     def __init__(self, target, draft, rows: int, k_max: int, cost: dict | None, alpha_prior: float,
                  strength: float = 8.0, compile: bool = False):
         if not isinstance(k_max, int) or k_max < 1:
-            raise ValueError(f"k_max must be an integer >= 1, got {k_max}")
+            raise DraftsmithError(f"k_max must be an integer >= 1, got {k_max}")
         if not 0.0 <= alpha_prior < 1.0:
-            raise ValueError(f"alpha_prior must be in [0, 1), got {alpha_prior}")
+            raise DraftsmithError(f"alpha_prior must be in [0, 1), got {alpha_prior}")
         if cost is None:
             key = (id(target), id(draft), compile)
             if key not in _COSTS:
@@ -52,7 +53,7 @@ class KChooser:
             cost = _COSTS[key]
         v = {int(kk): float(x) for kk, x in cost["v"].items() if int(kk) <= k_max}
         if not v:
-            raise ValueError(f"the cost model has no v(K) for K in 1..{k_max}")
+            raise DraftsmithError(f"the cost model has no v(K) for K in 1..{k_max}")
         self.k_max = max(v)
         # the state lives where the models do: a decision reads one value back, never the tables
         dev = device_of(target)

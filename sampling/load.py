@@ -276,9 +276,9 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+        raise DraftsmithError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if role not in ("decode", "teacher"):
-        raise ValueError(f"role must be decode or teacher, got {role!r}")
+        raise DraftsmithError(f"role must be decode or teacher, got {role!r}")
     path = resolve(name)
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
@@ -364,7 +364,7 @@ def check_weight_files(path: Path) -> None:
             with open(f, "rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 if n > size - 8:
-                    raise ValueError(f"header of {n} bytes in a {size}-byte file")
+                    raise DraftsmithError(f"header of {n} bytes in a {size}-byte file")
                 header = json.loads(fh.read(n))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
@@ -415,5 +415,5 @@ def check_same_tokenizer(target_tok, draft_tok) -> None:
     """Draft and target must tokenize identically: same vocabulary, special tokens and chat template."""
     problems = tokenizer_mismatches(target_tok, draft_tok)
     if problems:
-        raise ValueError("draft and target tokenizers differ (" + "; ".join(problems) + "): "
-                         "train the draft with the target's tokenizer")
+        raise DraftsmithError("draft and target tokenizers differ (" + "; ".join(problems) + "): "
+                              "train the draft with the target's tokenizer")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.sampling.cost import Stepper
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import cache_home, device_of, machine, machine_key, read_json, write_json
 
 ROLES = ("train", "teacher", "decode")
@@ -202,7 +203,7 @@ def decode_dtype(model, k: int = 4, quiet: bool = False) -> str:
     if hit and hit.get("k") == k and hit.get("kernels", False) == kernels:
         return hit["dtype"]
     if model.dtype != torch.float32:
-        raise ValueError(f"decode_dtype times an fp32 model and a bf16 copy of it; got a {model.dtype} model")
+        raise DraftsmithError(f"decode_dtype times an fp32 model and a bf16 copy of it; got a {model.dtype} model")
     t0 = time.perf_counter()
     ms = {"fp32": _decode_ms(model, k)}
     ms["bf16"] = _decode_ms(copy.deepcopy(model).to(torch.bfloat16), k)
@@ -243,9 +244,9 @@ def resolve(requested: str, role: str, device: str = "cpu") -> str:
     """`auto` -> the measured dtype name for `train` or `teacher` on this machine; explicit names are kept.
     (`decode` needs the model: see `decode_dtype`.)"""
     if role not in ("train", "teacher"):
-        raise ValueError(f"resolve() takes role train or teacher, got {role!r} (decode: decode_dtype(model))")
+        raise DraftsmithError(f"resolve() takes role train or teacher, got {role!r} (decode: decode_dtype(model))")
     if requested != "auto" and requested not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {requested!r}")
+        raise DraftsmithError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {requested!r}")
     if requested != "auto":
         if not _is_cuda(device):
             check_choice(requested, role)

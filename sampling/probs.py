@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import reads_are_free
 
 # Nucleus sampling on a 49k vocabulary: a full sort costs more than a 2-layer draft step on a CPU, and even the
@@ -30,11 +31,11 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise DraftsmithError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+            raise DraftsmithError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise DraftsmithError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

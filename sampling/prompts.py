@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
+
 # beside this package in the checkout and in the installed wheel alike (draftsmith/recipes/prompts)
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "prompts"
 
@@ -20,26 +22,26 @@ def load_prompts(name_or_path: str, n: int | None = None) -> list[dict]:
         path = PROMPTS_DIR / f"{name_or_path}.jsonl"
     if not path.is_file():
         shipped = ", ".join(p.stem for p in sorted(PROMPTS_DIR.glob("*.jsonl")))
-        raise ValueError(f"prompt set not found: {name_or_path} (shipped: {shipped}, or a .jsonl path)")
+        raise DraftsmithError(f"prompt set not found: {name_or_path} (shipped: {shipped}, or a .jsonl path)")
     rows = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise DraftsmithError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1}: not a JSON object ({e.msg})") from None
+            raise DraftsmithError(f"{path}:{i + 1}: not a JSON object ({e.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{i + 1}: not a JSON object")
+            raise DraftsmithError(f"{path}:{i + 1}: not a JSON object")
         if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ValueError(f"{path}:{i + 1}: each line needs a non-empty string field 'prompt'")
+            raise DraftsmithError(f"{path}:{i + 1}: each line needs a non-empty string field 'prompt'")
         rows.append({"prompt": row["prompt"], "domain": row.get("domain", path.stem)})
     if not rows:
-        raise ValueError(f"{path} holds no usable prompt (JSONL, one object with a 'prompt' string per line)")
+        raise DraftsmithError(f"{path} holds no usable prompt (JSONL, one object with a 'prompt' string per line)")
     return rows[:n] if n else rows
 
 
@@ -52,7 +54,7 @@ def encode_prompts(tokenizer, texts: list[str], max_tokens: int | None = None,
     rows = [ids[-max_tokens:] if max_tokens else ids
             for ids in tokenizer(texts, add_special_tokens=special_tokens)["input_ids"] if ids]
     if not rows:
-        raise ValueError("no usable prompt: every prompt tokenizes to nothing")
+        raise DraftsmithError("no usable prompt: every prompt tokenizes to nothing")
     width = max(len(r) for r in rows)
     pad = pad_id(tokenizer)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from draftsmith.sampling.cache import keep_last
+from draftsmith.sampling.errors import DraftsmithError
 
 
 class PrunedHeadDraft(nn.Module):
@@ -94,10 +95,10 @@ def trained_head(draft, draft_dir):
     try:
         ids = load_file(f)["token_ids"]
     except Exception as e:  # a torn or foreign file: name it, one line
-        raise ValueError(f"{f} is not a head-token file of ours ({type(e).__name__}: {str(e)[:80]})") from None
+        raise DraftsmithError(f"{f} is not a head-token file of ours ({type(e).__name__}: {str(e)[:80]})") from None
     V = draft.get_output_embeddings().weight.shape[0]
     if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= V or len(ids.unique()) != len(ids):
-        raise ValueError(f"{f} must hold distinct token ids in [0, {V}) (the draft's vocabulary)")
+        raise DraftsmithError(f"{f} must hold distinct token ids in [0, {V}) (the draft's vocabulary)")
     return PrunedHeadDraft(draft, ids)
 
 

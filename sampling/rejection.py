@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.probs import process_logits, sample, uniform
 
 
@@ -68,8 +69,8 @@ def verify(
     """
     B, K, _ = p.shape
     if q.shape[:2] != (B, K + 1) or draft_tokens.shape != (B, K):
-        raise ValueError(f"verify takes p (B, K, V), q (B, K+1, V) and draft_tokens (B, K); got p {tuple(p.shape)}, "
-                         f"q {tuple(q.shape)}, draft_tokens {tuple(draft_tokens.shape)}")
+        raise DraftsmithError(f"verify takes p (B, K, V), q (B, K+1, V) and draft_tokens (B, K); got p "
+                              f"{tuple(p.shape)}, q {tuple(q.shape)}, draft_tokens {tuple(draft_tokens.shape)}")
     if K == 0:
         return torch.zeros(B, dtype=torch.long, device=q.device), sample(q[:, 0], generator)
     p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, K)

@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.sampling.cache import Decoder
 from draftsmith.sampling.compiled import StaticDecoder, check_compilable
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
 from draftsmith.sampling.kauto import KChooser
 from draftsmith.sampling.machine import Timeline, device_of
@@ -93,19 +94,20 @@ def _on_device(model, input_ids, attention_mask):
 
 def _check_inputs(models, input_ids, attention_mask, max_new_tokens, k=None):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a (batch, length) LongTensor")
+        raise DraftsmithError("input_ids must be a (batch, length) LongTensor")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token per row")
+        raise DraftsmithError("the prompt is empty: give at least one token per row")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+        raise DraftsmithError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                              f"{tuple(input_ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+        raise DraftsmithError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     if k is not None and (not isinstance(k, int) or k < 1):
-        raise ValueError(f"k (draft tokens per loop) must be an integer >= 1, got {k}")
+        raise DraftsmithError(f"k (draft tokens per loop) must be an integer >= 1, got {k}")
     for m in models:
         limit = getattr(m.config, "max_position_embeddings", None)
         if limit and input_ids.shape[1] + max_new_tokens > limit:
-            raise ValueError(
+            raise DraftsmithError(
                 f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
@@ -391,7 +393,7 @@ def speculative_generate(
         k = chooser.k_max
     _check_inputs([target, draft], input_ids, attention_mask, max_new_tokens, k)
     if _vocab_size(target) != _vocab_size(draft):
-        raise ValueError(
+        raise DraftsmithError(
             f"draft vocabulary ({_vocab_size(draft)}) differs from the target's ({_vocab_size(target)}): "
             "the draft must share the target's tokenizer and vocabulary"
         )

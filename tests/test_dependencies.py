@@ -32,8 +32,8 @@ LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base",
           "scripts": {"base", "train", "deepspeed", "engines"},
           "tests": {"base", "train", "deepspeed", "engines", "dev"}}
 # imports that run in another environment than draftsmith's
-ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): train/engines/vllm_judge.py and "
-                     "vllm_corpus.py run there"}
+ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): train/engines/workers/vllm_judge.py "
+                     "and vllm_corpus.py run there"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
 LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained"}
 # declared, imported by no file of the repository
@@ -267,3 +267,16 @@ def test_pip_install_replaces_a_torch_below_the_floor(tmp_path, offline_index):
     """The check sees a torch in the plan: below the range's floor (2.7), pip plans the one it finds."""
     plan = planned_installs(tmp_path, offline_index, "2.6.0", "draftsmith")
     assert plan.get("torch") == "2.13.0", plan
+
+
+def test_a_script_run_by_path_finds_the_packages_it_imports_not_its_neighbours():
+    """Python puts a script's own folder first on its path: vLLM's workers, run by path in vLLM's venv, once sat
+    beside train/engines/vllm.py and imported it for vLLM. No file or folder beside a worker may be named like a
+    package it imports."""
+    workers = ROOT / "train" / "engines" / "workers"
+    scripts = sorted(workers.glob("vllm_*.py"))
+    assert len(scripts) == 2
+    for script in scripts:
+        neighbours = {p.stem for p in script.parent.iterdir() if p != script}
+        clashes = third_party_imports(script) & neighbours
+        assert "vllm" in third_party_imports(script) and not clashes, (script, clashes)

@@ -24,11 +24,13 @@ def test_the_vllm_installer_takes_the_cuda_build_on_a_cuda_machine_and_says_whic
     (venv_bin / "python").chmod(0o755)
     tools = tmp_path / "tools"
     tools.mkdir()
-    # nvidia-smi answers or fails (this machine's torch sees no GPU, so nvidia-smi decides)
+    # nvidia-smi answers or fails
     (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n" if gpu else "#!/bin/sh\nexit 9\n")
     (tools / "nvidia-smi").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BUILD", "DRAFTSMITH_VLLM_PYTHON")}
     env.update(DRAFTSMITH_HOME=str(tmp_path / "home"), PATH=f"{tools}:{env['PATH']}")
+    if not gpu:  # torch must not see a GPU this machine may have: only the stand-in nvidia-smi decides
+        env["CUDA_VISIBLE_DEVICES"] = ""
     res = engines("install", "vllm", env=env)
     assert res.returncode == 0, res.stderr
     first, *rest = res.stdout.splitlines()

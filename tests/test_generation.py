@@ -245,3 +245,20 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     assert request["dtype"] == {torch.bfloat16: "bfloat16", torch.float32: "float32"}[held[0].dtype]
     assert request["gpu_memory_utilization"] == 0.4
     assert processes_after(fake_vllm.marker) == []
+
+
+def test_auto_measures_both_engines_on_one_batch(fake_vllm, monkeypatch):
+    """data.generated.engine=auto with vLLM installed: one batch in each engine, tokens/s of each (vLLM's start not
+    counted; the stand-in reports 0.1 s for its batch of 2 rows x 2 tokens), and vLLM's processes gone after."""
+    from helpers import processes_after
+
+    from draftsmith.sampling.load import load_model
+    from draftsmith.train.generation import measure_engines
+
+    for key, value in fake_vllm.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAKE_VLLM", "exit")
+    rates = measure_engines(load_model("tiny-random", "fp32"), str(fake_vllm.target), [[1, 2], [3, 4]], 2,
+                            temperature=1.0, top_p=1.0, eos=0, pad=0, max_new_tokens=4, gpu_memory_utilization=0.5)
+    assert set(rates) == {"draftsmith", "vllm"} and rates["vllm"] == pytest.approx(40.0) and rates["draftsmith"] > 0
+    assert processes_after(fake_vllm.marker) == []

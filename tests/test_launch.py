@@ -258,6 +258,9 @@ def _two_node_run(tmp_path, commands) -> Path:
     assert set(ranks) == {"0", "1"} and ranks["0"] == ranks["1"] and ranks["0"][1] == str(corpus[0]), ranks
     assert outs[0].count("min spent (data.generated.max_minutes)") == 1 and "max_minutes" not in outs[1]
     assert f"beside the corpus in {corpus[0].parent}\n" in outs[0]  # where it is, not rank 0's node-local home
+    for i, out in enumerate(outs):  # what each node said of itself and of its blocks (pytest -s shows it)
+        print(f"node {i}:", *(ln for ln in out.splitlines() if ln.startswith("draftsmith: launcher")
+                              or " trains on " in ln), sep="\n  ")
     return run, outs
 
 

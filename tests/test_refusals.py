@@ -85,7 +85,7 @@ def test_nonfinite_loss_skips_steps_then_stops():
     try:
         for _ in range(4):
             assert module.training_step(ids, 0) is None
-        with pytest.raises(FloatingPointError, match="NaN or Inf for 5 steps in a row"):
+        with pytest.raises(DraftsmithError, match="NaN or Inf for 5 steps in a row"):
             module.training_step(ids, 0)
     finally:
         m.draft_loss = real

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
+
 
 @dataclass
 class DraftConfig:
@@ -42,21 +44,22 @@ class DraftConfig:
 
     def __post_init__(self):
         if self.kind not in ("independent", "feature_head"):
-            raise ValueError(f"draft.kind must be 'independent' or 'feature_head', got {self.kind!r}")
+            raise DraftsmithError(f"draft.kind must be 'independent' or 'feature_head', got {self.kind!r}")
         if self.draft_vocab is not None and self.draft_vocab < 2:
-            raise ValueError(f"draft.draft_vocab must be >= 2 tokens (or null: the full head), got {self.draft_vocab}")
+            raise DraftsmithError(f"draft.draft_vocab must be >= 2 tokens (or null: the full head), got "
+                                  f"{self.draft_vocab}")
         if self.unroll < 1:
-            raise ValueError(f"draft.unroll must be >= 1, got {self.unroll}")
+            raise DraftsmithError(f"draft.unroll must be >= 1, got {self.unroll}")
         if not 0 < self.step_decay <= 1:
-            raise ValueError(f"draft.step_decay must be in (0, 1] (step s of the unroll weighs step_decay ** s), "
-                             f"got {self.step_decay}")
+            raise DraftsmithError(f"draft.step_decay must be in (0, 1] (step s of the unroll weighs step_decay ** s), "
+                                  f"got {self.step_decay}")
         if not 0 <= self.feature_noise < 1:
-            raise ValueError(f"draft.feature_noise must be in [0, 1) (uniform noise, relative to each feature's RMS), "
-                             f"got {self.feature_noise}")
+            raise DraftsmithError(f"draft.feature_noise must be in [0, 1) (uniform noise, relative to each feature's "
+                                  f"RMS), got {self.feature_noise}")
         if self.init not in ("scratch", "target"):
-            raise ValueError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
+            raise DraftsmithError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
         if self.layers is not None and self.layers < 1:
-            raise ValueError(f"draft.layers must be >= 1, got {self.layers}")
+            raise DraftsmithError(f"draft.layers must be >= 1, got {self.layers}")
 
 
 def draft_config_for(target_config, cfg: DraftConfig):
@@ -70,18 +73,18 @@ def draft_config_for(target_config, cfg: DraftConfig):
         head_dim = max(8, int(round(tc.hidden_size // heads * cfg.width_ratio / 8)) * 8)
         hidden = heads * head_dim
     if hidden % heads:
-        raise ValueError(f"draft hidden size {hidden} does not split into the target's {heads} attention heads; "
-                         f"choose a multiple of {heads}")
+        raise DraftsmithError(f"draft hidden size {hidden} does not split into the target's {heads} attention heads; "
+                              f"choose a multiple of {heads}")
     if cfg.init == "target" and hidden != tc.hidden_size:
-        raise ValueError(f"draft.init=target copies the target's weights, so the width must be the target's "
-                         f"({tc.hidden_size}), not {hidden}: set draft.width_ratio=1.0 or draft.init=scratch")
+        raise DraftsmithError(f"draft.init=target copies the target's weights, so the width must be the target's "
+                              f"({tc.hidden_size}), not {hidden}: set draft.width_ratio=1.0 or draft.init=scratch")
     intermediate = cfg.intermediate or int(round(tc.intermediate_size * hidden / tc.hidden_size))
     d = tc.to_dict()
     d.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads, **cfg.extra)
     if d["vocab_size"] != tc.vocab_size:
-        raise ValueError(f"draft vocabulary ({d['vocab_size']}) differs from the target's ({tc.vocab_size}): "
-                         "a draft must share the target's tokenizer and vocabulary")
+        raise DraftsmithError(f"draft vocabulary ({d['vocab_size']}) differs from the target's ({tc.vocab_size}): "
+                              "a draft must share the target's tokenizer and vocabulary")
     d.pop("quantization_config", None)
     d.pop("layer_types", None)  # derived from num_hidden_layers by the config class
     return type(tc)(**d)
@@ -153,7 +156,7 @@ def build_draft(target, cfg: DraftConfig):
         # head expects.
         picks = cfg.init_layers or [*range(n_d - 1), n_t - 1]
         if len(picks) != n_d or not all(0 <= i < n_t for i in picks):
-            raise ValueError(f"draft.init_layers must list {n_d} target layer indices in [0, {n_t}), got {picks}")
+            raise DraftsmithError(f"draft.init_layers must list {n_d} target layer indices in [0, {n_t}), got {picks}")
         src = target.state_dict()  # references: only the tensors the draft takes are copied (to fp32), one at a
         dst = {}                   # time; a 70B target's state in fp32 would be 280 GB of host memory
         for k in draft.state_dict():
@@ -164,7 +167,7 @@ def build_draft(target, cfg: DraftConfig):
                 dst[k] = src[k].float()
         missing = set(draft.state_dict()) - set(dst)
         if missing:
-            raise ValueError(f"could not initialise {sorted(missing)[:3]} from the target")
+            raise DraftsmithError(f"could not initialise {sorted(missing)[:3]} from the target")
         draft.load_state_dict(dst)
     if cfg.init_from:
         _load_weights(draft, cfg.init_from)
@@ -189,9 +192,10 @@ def _load_weights(draft, path: str) -> None:
     absent = [k for k in mine if k not in state and not (k == "lm_head.weight" and draft.config.tie_word_embeddings)]
     wrong = [k for k in state if k in mine and state[k].shape != mine[k].shape]
     if not state or absent or wrong or set(state) - set(mine):
-        raise ValueError(f"draft.init_from={path} does not hold a draft of this shape ({len(mine)} tensors; "
-                         f"missing {absent[:2]}, other shapes {wrong[:2]}, extra {sorted(set(state) - set(mine))[:2]})"
-                         ": give a best_draft dir trained for this target with the same draft.* settings")
+        raise DraftsmithError(f"draft.init_from={path} does not hold a draft of this shape ({len(mine)} tensors; "
+                              f"missing {absent[:2]}, other shapes {wrong[:2]}, extra "
+                              f"{sorted(set(state) - set(mine))[:2]}): give a best_draft dir trained for this target "
+                              "with the same draft.* settings")
     draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
 
 

@@ -250,13 +250,13 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
                                         file_prompts]).encode())
     name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
             f"-{origin.hexdigest()[:8]}")
-    vllm = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
-                gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
+    vllm_kw = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
+                   gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
     engine = g.get("engine", "draftsmith")
     if engine != "vllm":  # our loop samples with the target; auto measures both engines on it
         engine = choose_engine(engine, teacher(), cfg.target.name, lambda: measure_engines(
             teacher(), cfg.target.name, prompt_rows(tok, prompts[: g.batch_size]), g.batch_size,
-            temperature=s.temperature, top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok), **vllm))
+            temperature=s.temperature, top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok), **vllm_kw))
     check = dtype = None
     if engine == "vllm":  # its own seeds: its samples extend its own file, never ours; judged before they are kept,
         # against the target itself in the dtype vLLM runs (like with like), on its device: never an fp32 copy
@@ -271,7 +271,7 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
                            keep_logits=keep, keep_features=_feature_layers(cfg, target_config) if keep else None,
                            engine=engine, target_name=cfg.target.name, check=check, dtype=dtype,
-                           data_parallel_size=g.get("data_parallel_size", 1), **vllm)
+                           data_parallel_size=g.get("data_parallel_size", 1), **vllm_kw)
 
 
 def _callbacks(cfg) -> list:
@@ -528,7 +528,7 @@ def app(cfg: DictConfig) -> float | None:
     logging.getLogger("lightning.pytorch").propagate = False  # Hydra's job logging would print each line twice
     try:
         return train(cfg).get("best_score")
-    except (ValueError, FloatingPointError) as e:  # a DraftsmithError (DiskFull too), or bad input
+    except ValueError as e:  # a DraftsmithError (DiskFull too), or bad input
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

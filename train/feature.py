@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.rejection import teacher_forced_acceptance
@@ -35,7 +36,7 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         head = target.get_output_embeddings().weight.float()
         if draft_vocab:
             if token_counts is None:
-                raise ValueError("draft.draft_vocab needs the corpus' token counts to choose the head's tokens")
+                raise DraftsmithError("draft.draft_vocab needs the corpus' token counts to choose the head's tokens")
             draft.set_vocab(token_counts.topk(draft_vocab).indices.to(dev))
         draft.lm_head.weight.copy_(head[draft.token_ids()])
         # The target's hidden states are large (SmolLM2-135M, entering layer 27: median RMS 23 per token, 2e4 at the

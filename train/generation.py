@@ -195,16 +195,16 @@ def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -
 
 
 def measure_engines(target, target_name: str, rows: list[list[int]], batch_size: int, *, temperature: float,
-                    top_p: float, eos: int, pad: int, max_new_tokens: int = 64, **vllm) -> dict:
+                    top_p: float, eos: int, pad: int, max_new_tokens: int = 64, **vllm_kw) -> dict:
     """{engine: tokens/s} of one batch of `rows` in each engine (vLLM's start excluded: it is paid once a run);
-    `vllm`: `engines.vllm.batches`' settings (gpu_memory_utilization, tensor_parallel_size)."""
+    `vllm_kw`: `engines.vllm.batches`' settings (gpu_memory_utilization, tensor_parallel_size)."""
     rows, rates = rows[:batch_size], {}
     common = dict(seed=0, first_row=0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos)
     for engine in ("draftsmith", "vllm"):
         if engine == "draftsmith":
             batches = own_batches(target, rows, batch_size, pad=pad, **common)
         else:
-            batches = vllm.batches(target_name, target.dtype, rows, batch_size, **common, **vllm)
+            batches = vllm.batches(target_name, target.dtype, rows, batch_size, **common, **vllm_kw)
         with closing(batches):
             _, _, tokens, _, seconds = next(batches)
         rates[engine] = sum(len(x) for x in tokens) / seconds

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.sampling.errors import DraftsmithError
+
 
 def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):
     if weights is None:
@@ -106,16 +108,16 @@ def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], t
     each position's weight in every term's mean (a feature draft's unrolled steps; None: all equal)."""
     unknown = set(weights) - {"ce", *DIVERGENCES}
     if unknown:
-        raise ValueError(f"unknown loss terms {sorted(unknown)}; choose from ce, {', '.join(DIVERGENCES)}")
+        raise DraftsmithError(f"unknown loss terms {sorted(unknown)}; choose from ce, {', '.join(DIVERGENCES)}")
     parts = {}
     if weights.get("ce", 0):
         parts["ce"] = cross_entropy(draft_logits, labels, row_weights)
     names = tuple(sorted(n for n in DIVERGENCES if weights.get(n, 0)))
     if names:
         if target_logits is None:
-            raise ValueError(f"loss terms {list(names)} need the target's logits: set loss.distill=true")
+            raise DraftsmithError(f"loss terms {list(names)} need the target's logits: set loss.distill=true")
         parts.update(divergences(draft_logits, target_logits, temperature, names, compile, row_weights))
     if not parts:
-        raise ValueError("all loss weights are zero: give ce or a divergence a positive weight")
+        raise DraftsmithError("all loss weights are zero: give ce or a divergence a positive weight")
     total = sum(weights[k] * v for k, v in parts.items())
     return total, parts

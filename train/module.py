@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.losses import draft_loss
@@ -80,9 +81,9 @@ class DraftModule(L.LightningModule):
             self.on_policy.seed_rank(self.global_rank)
         if self.head_rows is not None and partitioned(self.draft):
             if self.on_policy is not None:  # the sampler's pruned head copies the head's rows, an empty shard here
-                raise ValueError("data.on_policy_fraction > 0 with a pruned head (draft.draft_vocab) cannot run under "
-                                 "ZeRO-3, whose head is sharded outside its forward: use trainer=deepspeed_stage_2 or "
-                                 "fsdp, or draft.draft_vocab=null")
+                raise DraftsmithError("data.on_policy_fraction > 0 with a pruned head (draft.draft_vocab) cannot run "
+                                      "under ZeRO-3, whose head is sharded outside its forward: use "
+                                      "trainer=deepspeed_stage_2 or fsdp, or draft.draft_vocab=null")
             import deepspeed
 
             # ZeRO-3: the head's weight is an empty shard outside its owner's forward; DeepSpeed gathers it for
@@ -137,7 +138,7 @@ class DraftModule(L.LightningModule):
             self._nonfinite_run += 1
             self.log("train/nonfinite_steps", float(self.nonfinite_steps))
             if self._nonfinite_run >= self.max_nonfinite:
-                raise FloatingPointError(
+                raise DraftsmithError(
                     f"the loss was NaN or Inf for {self._nonfinite_run} steps in a row (step {self.global_step}): "
                     "stopping before a poisoned checkpoint is saved; lower optim.lr or check the data")
             if self._ranks == 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.sampling import autoregressive_generate
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import seeded
 
 
@@ -81,9 +82,9 @@ class OnPolicy:
     def __init__(self, fraction: float, prompts: tuple[torch.Tensor, torch.Tensor], *, temperature: float,
                  top_p: float = 1.0, top_k: int = 0, buffer: int = 16, seed: int = 0, start: float = 0.0):
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"data.on_policy_fraction must be in [0, 1], got {fraction}")
+            raise DraftsmithError(f"data.on_policy_fraction must be in [0, 1], got {fraction}")
         if not 0.0 <= start < 1.0:
-            raise ValueError(f"data.on_policy_from must be in [0, 1), got {start}")
+            raise DraftsmithError(f"data.on_policy_from must be in [0, 1), got {start}")
         self.fraction, self.prompts, self.buffer, self.start = fraction, prompts, buffer, start
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.seed = seed
@@ -106,8 +107,8 @@ class OnPolicy:
         prompt, pmask = self.prompts[0][pick].to(device), self.prompts[1][pick].to(device)
         P = prompt.shape[1]
         if P >= T:
-            raise ValueError(f"prompts of {P} tokens leave no room for a continuation in blocks of {T}: "
-                             "lower data.prompt_tokens or raise data.block_size")
+            raise DraftsmithError(f"prompts of {P} tokens leave no room for a continuation in blocks of {T}: "
+                                  "lower data.prompt_tokens or raise data.block_size")
         was_training = draft.training
         draft.eval()
         g = seeded(device, int(torch.randint(0, 2**62, (1,), generator=self.generator, device="cpu")))

@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
+
 GIB = 1024**3
 STRATEGIES = ("ddp", "deepspeed_stage_2", "deepspeed_stage_3", "fsdp")
 ROWS = ("weights", "gradients", "optimizer", "activations", "logits", "target")
@@ -195,7 +197,7 @@ class Plan:
             grads = 4 * p / n + hb * whole_grads
             moments = 8 * p / n
         else:
-            raise ValueError(f"unknown strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+            raise DraftsmithError(f"unknown strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
         return {"weights": float(weights), "gradients": float(grads), "optimizer": float(moments),
                 "activations": float(self.activations(strategy)), "logits": self.logits(strategy),
                 "target": self.target()}
@@ -208,8 +210,8 @@ def plan(target_config, draft_config, ranks: int, batch: int, block: int, device
          precision: str = "bf16-mixed", compiled_loss: bool = True, teacher: str = "replica",
          target_first: bool = False, columns: int | None = None, target_bytes: int = 2, kept_topk: int = 0) -> Plan:
     if precision not in PRECISIONS:
-        raise ValueError(f"plan=true sizes trainer.precision {', '.join(PRECISIONS)} (or auto: bf16-mixed on a "
-                         f"GPU), got {precision!r}")
+        raise DraftsmithError(f"plan=true sizes trainer.precision {', '.join(PRECISIONS)} (or auto: bf16-mixed on a "
+                              f"GPU), got {precision!r}")
     d = draft_config
     heads = d.num_attention_heads
     head_dim = getattr(d, "head_dim", None) or d.hidden_size // heads

@@ -1,6 +1,7 @@
-"""A helper process whose whole tree ends with the run that started it: vLLM's worker (`train/engines/vllm_corpus.py`,
-`vllm_judge.py`) starts an EngineCore process, which starts its Workers; killing the worker alone leaves
-them behind, re-parented to init, spinning at 100% CPU (on a GPU, holding its memory for the next run).
+"""A helper process whose whole tree ends with the run that started it: vLLM's worker
+(`train/engines/workers/vllm_corpus.py`, `vllm_judge.py`) starts an EngineCore process, which starts its Workers;
+killing the worker alone leaves them behind, re-parented to init, spinning at 100% CPU (on a GPU, holding its memory
+for the next run).
 
 `start` runs the command under a small guard (standard library only: it runs in vLLM's own venv) in a session and
 process group of its own, so that

@@ -12,6 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.build import DraftConfig
 
 
@@ -165,7 +166,7 @@ def check(cfg) -> None:
         key = e.full_key or "?"
         parent = key.rsplit(".", 1)[0] if "." in key else None
         known = list(schema[parent].keys()) if parent else list(Draftsmith.__dataclass_fields__)
-        raise ValueError(f"unknown setting {key}: {parent or 'the config'} takes {', '.join(known)}") from None
+        raise DraftsmithError(f"unknown setting {key}: {parent or 'the config'} takes {', '.join(known)}") from None
 
 
 def preflight(overrides: list[str], config_dir: str, config_name: str = "draft") -> None:
@@ -182,7 +183,7 @@ def preflight(overrides: list[str], config_dir: str, config_name: str = "draft")
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             compose(config_name, overrides=mine)
     except Exception as e:  # Hydra's composition, override parsing and OmegaConf's validation errors
-        raise ValueError(_one_line(e)) from None
+        raise DraftsmithError(_one_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
 

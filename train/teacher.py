@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.diskfull import disk_full
 
 
@@ -49,7 +50,7 @@ class TeacherCache:
     def __init__(self, rows: int, positions: int, k: int, vocab: int, columns: torch.Tensor | None = None,
                  features: int = 0, directory: str | Path | None = None):
         if not 0 < k < vocab:
-            raise ValueError(f"loss.teacher_topk must be in [1, {vocab}) (the target's vocabulary), got {k}")
+            raise DraftsmithError(f"loss.teacher_topk must be in [1, {vocab}) (the target's vocabulary), got {k}")
         self.k, self.vocab, self.rows, self.positions, self.n_features = k, vocab, rows, positions, features
         self.width = vocab if columns is None else len(columns)
         # where each kept token lands: its column, or a spare last one (dropped) when the head lacks it
@@ -216,8 +217,8 @@ def half_features(features: torch.Tensor) -> torch.Tensor:
     refused (one line) where they exceed its range."""
     half = features.detach().half().cpu()
     if not bool(torch.isfinite(half).all()):
-        raise ValueError("the target's features exceed float16's range (65504), so they cannot be kept: set "
-                         "loss.teacher_topk=0")
+        raise DraftsmithError("the target's features exceed float16's range (65504), so they cannot be kept: set "
+                              "loss.teacher_topk=0")
     return half
 
 

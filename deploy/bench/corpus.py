@@ -4,7 +4,7 @@
     draftsmith bench corpus --target DIR --batch-size 256 --max-new-tokens 256 --json out.json
 
 Each engine samples one batch of the `broad` prompts at the recipe's T 0.8, top-p 0.95 (vLLM in its own venv,
-`bash scripts/install_vllm.sh`; its start is timed apart, it is paid once a run). It prints tokens/s of each and
+`draftsmith engines install vllm`; its start is timed apart, it is paid once a run). It prints tokens/s of each and
 the start, and what `data.generated.engine=auto` would choose from them.
 """
 
@@ -40,7 +40,7 @@ def main(argv=None, prog=None) -> int:
            "max_new_tokens": args.max_new_tokens}
     for engine in ("draftsmith", "vllm"):
         if engine == "vllm" and not vllm.installed():
-            print("vllm: not installed (bash scripts/install_vllm.sh)")
+            print(f"vllm: not installed ({vllm.INSTALL})")
             continue
         t0 = time.perf_counter()
         batches = (own_batches(target, rows, len(rows), pad=pad_id(tok), **common) if engine == "draftsmith" else

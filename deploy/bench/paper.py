@@ -29,7 +29,6 @@ from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cli import examples, locate_draft
 from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
-from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device
@@ -93,7 +92,7 @@ def main(argv=None, prog=None) -> int:
             for d in full_drafts.values():
                 check_compilable(d)
         rows = [r for f in args.prompts for r in load_prompts(f, args.n_prompts)]
-    except (DraftsmithError, ValueError) as e:
+    except ValueError as e:  # a DraftsmithError, or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     drafts = dict(full_drafts)

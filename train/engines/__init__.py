@@ -67,6 +67,8 @@ def main(argv=None, prog: str = "draftsmith engines") -> int:
     args = ap.parse_args(argv)
     try:
         if args.action == "install":
+            if args.build and args.engine != "vllm":
+                raise DraftsmithError(f"--build chooses vLLM's build; {args.engine} has one way to install")
             m = module(args.engine)
             m.install(args.build) if args.engine == "vllm" else m.install()
             return 0

@@ -23,7 +23,8 @@ class TransformersEngine(InProcess):
     def __init__(self, bundle, dtype: str = "fp32"):
         if is_feature_dir(bundle.draft_dir):
             raise DraftsmithError(f"transformers cannot run {bundle.draft_dir}: it is a feature draft (EAGLE-3), "
-                                "which assisted generation does not support; judge it with --engine vllm or draftsmith")
+                                  "which assisted generation does not support; judge it with --engine vllm or "
+                                  "draftsmith")
         super().__init__(bundle, dtype)
 
     def version(self) -> str:

