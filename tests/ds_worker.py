@@ -46,3 +46,7 @@ if engine.global_rank == 0:
     result = {"losses": losses, "optimizer": type(engine.optimizer).__name__, "world_size": engine.world_size,
               "stage": engine.zero_optimization_stage()}
     (out / "result.json").write_text(json.dumps(result))
+# leave together and close the group: a rank that exits while gloo's threads still serve the other aborted once
+# ("terminate called without an active exception", exit -6) after all the work was done
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -302,6 +302,7 @@ CORPUS_RUN = """
 import sys
 from hydra import compose, initialize_config_dir
 from draftsmith.sampling.load import load_tokenizer
+from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.train import draft
 from draftsmith.train.build import TargetWeights
@@ -323,7 +324,7 @@ def teacher():
 
 prompts = [r["prompt"] for r in load_prompts("code", 8)]
 path = draft._generated_corpus(cfg, teacher, load_tokenizer(cfg.target.name), prompts,
-                               TargetWeights.of(cfg.target.name).config)
+                               TargetWeights.of(cfg.target.name).config, cache_home())
 print(path, draft._target_dtype(cfg), held[0].dtype)  # the last line of the output
 """
 
