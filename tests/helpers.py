@@ -1,11 +1,12 @@
-"""Shared helpers: the exactness tests' statistics (the same chi-square that judges engines), and the count of an
-engine's processes left behind."""
+"""Shared helpers: the exactness tests' statistics (the same chi-square that judges engines), the count of an
+engine's processes left behind, and the rule for optional resources."""
 
 import os
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 
 from draftsmith.sampling.exactness import chi2_pvalue
@@ -176,3 +177,17 @@ def processes_after(marker: str, cwd=None, grace_s: float = 10.0) -> list[str]:
     while (left := processes_of(marker, cwd)) and time.monotonic() < t_end:
         time.sleep(0.2)
     return left
+
+
+def required(resource: str) -> bool:
+    """Whether DRAFTSMITH_REQUIRE (a comma-separated list: vllm, llamacpp, tmpfs) names `resource`: CI sets it, so that
+    a test whose optional resource is missing there fails instead of skipping (a skip proves nothing)."""
+    return resource in os.environ.get("DRAFTSMITH_REQUIRE", "").split(",")
+
+
+def missing_resource(resource: str, why: str) -> None:
+    """Inside a test or fixture whose optional resource is absent: skip, saying why and how to get it; fail where
+    DRAFTSMITH_REQUIRE names the resource."""
+    if required(resource):
+        pytest.fail(f"{resource} is required here (DRAFTSMITH_REQUIRE) but missing: {why}")
+    pytest.skip(f"{resource}: {why}")

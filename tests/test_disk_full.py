@@ -5,11 +5,13 @@ small tmpfs mounted in a user and mount namespace of the test's own (`unshare -r
 that is removed to free the space."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import missing_resource
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "disk_full_worker.py"
@@ -17,13 +19,15 @@ WORKER = Path(__file__).resolve().parent / "disk_full_worker.py"
 
 @pytest.fixture(scope="session")
 def small_fs(tmp_path_factory):
-    """Runs a worker job with a tmpfs of a given size at a fresh mount point; skips, saying why, where this machine
-    lets no unprivileged process mount one."""
+    """Runs a worker job with a tmpfs of a given size at a fresh mount point. Where this machine lets no unprivileged
+    process mount one, skips saying why, or fails where DRAFTSMITH_REQUIRE names tmpfs (CI)."""
+    if shutil.which("unshare") is None:
+        missing_resource("tmpfs", "no `unshare` here (util-linux) to mount one in a namespace of the test's own")
     probe = tmp_path_factory.mktemp("probe")
     res = subprocess.run(["unshare", "-r", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"],
                          capture_output=True, text=True)
     if res.returncode:
-        pytest.skip(f"no small filesystem here: `unshare -rm` + `mount -t tmpfs` refused ({res.stderr.strip()})")
+        missing_resource("tmpfs", f"`unshare -rm` + `mount -t tmpfs` refused ({res.stderr.strip()})")
 
     def run(tmp_path, size: str, job: str, *args, timeout=600) -> dict:
         mount, result = tmp_path / "disk", tmp_path / "result.json"

@@ -1,13 +1,14 @@
 """Real deployment engines judged by draftsmith deploy-check on a demo-sized bundle (vLLM's CPU attention refuses
 head_dim 16, so the tiny test models will not do). An engine that is not installed is skipped with the command
-that installs it; CI installs vLLM and llama.cpp and sets DRAFTSMITH_REQUIRE_ENGINES=vllm,llamacpp, which turns
-that skip into a failure."""
+that installs it; CI installs vLLM and llama.cpp and names them in DRAFTSMITH_REQUIRE, which turns that skip
+into a failure."""
 
 import json
 import os
 
 import pytest
 import torch
+from helpers import required
 
 from draftsmith.deploy.conformance import Setting, check, open_bundle
 from draftsmith.sampling.errors import DraftsmithError
@@ -20,9 +21,9 @@ pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
 def installed(engine: str, missing: str | None):
     """Skip when the engine cannot run here (it is optional), saying why and how to install it; where
-    DRAFTSMITH_REQUIRE_ENGINES names it (CI), a missing engine is a failure instead."""
-    if missing and engine in os.environ.get("DRAFTSMITH_REQUIRE_ENGINES", "").split(","):
-        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE_ENGINES) but cannot run: {missing}")
+    DRAFTSMITH_REQUIRE names it (CI), a missing engine is a failure instead (tests/helpers.py `required`)."""
+    if missing and required(engine):
+        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE) but cannot run: {missing}")
     return pytest.mark.skipif(bool(missing), reason=f"{engine}: {missing}")
 
 
