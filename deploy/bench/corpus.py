@@ -11,12 +11,11 @@ the start, and what `data.generated.engine=auto` would choose from them.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.load import load_model, load_tokenizer
-from draftsmith.sampling.machine import machine
+from draftsmith.sampling.machine import machine, write_json
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
 from draftsmith.train.engines import vllm
 from draftsmith.train.generation import own_batches
@@ -56,8 +55,7 @@ def main(argv=None, prog=None) -> int:
     print(f"data.generated.engine=auto would choose: {max(rates, key=rates.get)}  "
           f"({res['machine']['cpu']}, {res['dtype']}, batch {len(rows)})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res)
     return 0
 
 

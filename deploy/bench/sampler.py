@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import statistics
 
@@ -27,7 +26,7 @@ from draftsmith.sampling.cli import examples, locate_draft
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
-from draftsmith.sampling.machine import default_device, now, seeded
+from draftsmith.sampling.machine import default_device, now, seeded, write_json
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.stats import summary
 from draftsmith.train.build import truncated_target
@@ -183,8 +182,7 @@ def main(argv=None, prog=None) -> int:
     result = {"args": vars(args), **info, "rows": rows, "ratios": ratios, "costs": costs,
               "compile_report": compile_report()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 
