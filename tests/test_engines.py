@@ -13,7 +13,7 @@ from helpers import required
 from draftsmith.deploy.conformance import Setting, check, open_bundle
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.engines.llamacpp import missing as llamacpp_missing
-from draftsmith.train.engines.vllm import INSTALL as VLLM_INSTALL
+from draftsmith.train.engines.vllm import missing as vllm_missing
 from draftsmith.train.engines.vllm import python_path as vllm_python
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
@@ -62,7 +62,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     assert report["verdict"] == "pass", report["settings"]
 
 
-@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+@installed("vllm", vllm_missing())
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
     from draftsmith.train.engines.vllm import VllmEngine
 
@@ -152,7 +152,7 @@ REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red b
            "def add(a, b):\n    return a + b\n", "The capital of France is"]
 
 
-@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+@installed("vllm", vllm_missing())
 def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, demo_target, tmp_path):
     """Greedy, the draft's proposals are a function of the features it reads, and this one's of layer 0's: where
     vLLM reads the layers the bundle names, its acceptance matches our sampler's on the same prompts; with the layer
@@ -202,7 +202,7 @@ print(json.dumps({"class": type(c).__name__, "layers": c.eagle_aux_hidden_state_
 """
 
 
-@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+@installed("vllm", vllm_missing())
 def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classes(feature_bundle, tmp_path):
     """The feature draft's config.json is also a speculators eagle3 config: speculators' own config class reads it
     (layer ids, head, verifier, K) and vLLM's speculators reader turns it into its eagle3 settings. Both live in
@@ -235,7 +235,7 @@ def _sample_file(tmp_path, name):
     return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
 
 
-@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+@installed("vllm", vllm_missing())
 def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target, tmp_path, monkeypatch):
     """data.generated.engine=vllm: its plain sampling passes the chi-square against the target's exact probabilities
     first; two engines (data parallel) take the batches in turn; their samples land in our store (JSONL rows + kept
@@ -330,7 +330,7 @@ print(path, draft._target_dtype(cfg), held[0].dtype)  # the last line of the out
 """
 
 
-@installed("vllm", None if vllm_python().is_file() else f"not installed: run `{VLLM_INSTALL}`")
+@installed("vllm", vllm_missing())
 @pytest.mark.parametrize("ending", ["success", "error", "sigint"])
 def test_vllm_samples_at_the_default_precision_and_its_processes_end_with_the_run(tmp_path, ending):
     """data.generated.engine=vllm at the precision users run (bf16 here, where vLLM's samples failed the check

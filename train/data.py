@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import read_json, write_json
+from draftsmith.train.generation import CORPUS_ENGINES
 from draftsmith.train.launch import Launch, detect, rank0_gone
 
 DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on, fixed at its first start
@@ -197,8 +198,9 @@ def check_data(cfg, tokenizer) -> None:
             raise DraftsmithError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got "
                                   f"{g.max_minutes}")
         engine = g.get("engine", "draftsmith")
-        if engine not in ("draftsmith", "vllm", "auto"):
-            raise DraftsmithError(f"data.generated.engine must be draftsmith, vllm or auto, got {engine}")
+        if engine not in CORPUS_ENGINES:
+            raise DraftsmithError(f"data.generated.engine must be {', '.join(CORPUS_ENGINES[:-1])} or "
+                                  f"{CORPUS_ENGINES[-1]}, got {engine}")
         if engine != "draftsmith" and cfg.sampler.get("top_k", 0):
             raise DraftsmithError(f"data.generated.engine={engine} samples with temperature and top-p only; with "
                                   f"sampler.top_k={cfg.sampler.top_k} use data.generated.engine=draftsmith")

@@ -30,7 +30,7 @@ from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.engines import vllm
 from draftsmith.train.teacher import half_features, top_logprobs
 
-ENGINES = ("draftsmith", "vllm", "auto")
+CORPUS_ENGINES = ("draftsmith", "vllm", "auto")  # data.generated.engine
 def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, max_new_tokens: int,
                 temperature: float, top_p: float, eos: int, pad: int = 0, keep_logits: int = 0,
                 keep_features: list[int] | None = None):
@@ -175,7 +175,7 @@ def choose_engine(requested: str, target, target_name: str, tokens_per_s=None) -
     {engine: tokens/s}) and cached like the precision probe; says which in one line. Without vLLM: draftsmith."""
     if requested != "auto":
         return requested
-    if not vllm.installed():
+    if vllm.missing():
         print("draftsmith: data.generated.engine=auto: draftsmith (vLLM is not installed)", file=sys.stderr)
         return "draftsmith"
     path = cache_home() / "corpus_engine" / f"{machine_key()}.json"

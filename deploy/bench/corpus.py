@@ -38,7 +38,7 @@ def main(argv=None, prog=None) -> int:
     res = {"machine": machine(), "target": args.target, "dtype": str(target.dtype), "batch": len(rows),
            "max_new_tokens": args.max_new_tokens}
     for engine in ("draftsmith", "vllm"):
-        if engine == "vllm" and not vllm.installed():
+        if engine == "vllm" and vllm.missing():
             print(f"vllm: not installed ({vllm.INSTALL})")
             continue
         t0 = time.perf_counter()

@@ -45,11 +45,7 @@ def status(name: str) -> str:
     if name not in INSTALLABLE:
         return "in this process, nothing to install"
     m = module(name)
-    if name == "vllm":
-        python = m.python_path()
-        return f"installed ({python})" if python.is_file() else f"not installed: {m.INSTALL}"
-    why = m.missing()
-    return f"installed ({m.home()})" if why is None else why
+    return m.missing() or f"installed ({m.python_path() if name == 'vllm' else m.home()})"
 
 
 def main(argv=None, prog: str = "draftsmith engines") -> int:

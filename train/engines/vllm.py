@@ -57,8 +57,13 @@ def python_path() -> Path:
     return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", home() / "bin" / "python"))
 
 
-def installed() -> bool:
-    return python_path().is_file()
+def missing() -> str | None:
+    """Why vLLM cannot run here (one line with the fix), or None."""
+    python = python_path()
+    if python.is_file():
+        return None
+    return (f"vLLM is not installed ({python} missing): run `{INSTALL}` (a separate venv, about 3 GB), or point "
+            "DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
 
 
 def cuda_present() -> bool:
@@ -203,10 +208,10 @@ def ready(target_name: str) -> Path:
     """vLLM's python, after refusing in one line, before anything starts, a vLLM that is not installed and a target
     its CPU build cannot run (its attention takes only the head sizes CPU_HEAD_DIMS; the tiny test models have
     16; the CUDA build takes more)."""
+    why = missing()
+    if why:
+        raise DraftsmithError(f"data.generated.engine=vllm: {why}")
     python = python_path()
-    if not python.is_file():
-        raise DraftsmithError(f"data.generated.engine=vllm: vLLM is not installed ({python} missing): run "
-                              f"`{INSTALL}`, or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
     if torch.cuda.is_available():
         return python
     c = json.loads((resolve(target_name) / "config.json").read_text())
@@ -241,10 +246,10 @@ class VllmEngine(Engine):
 
     def __init__(self, bundle, dtype: str = "float32", timeout_s: int = 1800):
         self.bundle, self.dtype, self.timeout_s = bundle, dtype, timeout_s
+        why = missing()
+        if why:
+            raise DraftsmithError(why)
         self.python = python_path()
-        if not self.python.is_file():
-            raise DraftsmithError(f"vLLM is not installed ({self.python} missing): run `{INSTALL}` (a separate "
-                                  "venv, about 3 GB), or point DRAFTSMITH_VLLM_PYTHON at a python that has vllm")
         self._version = self._build = None
 
     def version(self) -> str:
