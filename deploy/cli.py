@@ -25,7 +25,7 @@ VERBS = {
                "draftsmith export outputs/DATE/TIME --out bundles/my-draft"),
     "deploy-check": ("draftsmith.deploy.conformance", "is an engine's speculative decoding of a bundle lossless?",
                      "draftsmith deploy-check bundles/my-draft --engine vllm"),
-    "engines": ("draftsmith.train.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
+    "engines": ("draftsmith.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
                 "draftsmith engines install vllm"),
     "bench": ("draftsmith.deploy.bench", "benchmarks: paper, sampler, corpus, memory, store, train-memory, ablation",
               "draftsmith bench paper --draft bundles/my-draft"),

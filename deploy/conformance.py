@@ -101,7 +101,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     texts: the prompts of the greedy and long jobs (None: `n_prompts` of the shipped code and English ones)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.train.engines.base import Job
+    from draftsmith.engines.base import Job
 
     tok = AutoTokenizer.from_pretrained(bundle.target_dir)
     reference = load_model(str(bundle.target_dir), "fp32")
@@ -278,7 +278,7 @@ def _bundle_of(path: Path) -> Path:
 
 
 def main(argv=None, prog=None) -> int:
-    from draftsmith.train.engines import ENGINES, open_engine
+    from draftsmith.engines import ENGINES, open_engine
 
     ap = argparse.ArgumentParser(prog=prog or "draftsmith deploy-check", epilog=examples(__doc__),
                                  description="Judge an engine's speculative decoding of a bundle against its target",

@@ -16,7 +16,7 @@ from draftsmith.deploy.conformance import (
     open_bundle,
 )
 from draftsmith.sampling import rejection
-from draftsmith.train.engines.draftsmith import DraftsmithEngine
+from draftsmith.engines.draftsmith import DraftsmithEngine
 
 
 @pytest.fixture(scope="module")

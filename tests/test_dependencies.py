@@ -28,11 +28,11 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
 # What each layer's users have installed: the sampler is the base install; the deploy path adds the engines'
 # packages; the trainer its extras; the scripts and the tests run beside everything.
 LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base", "train", "deepspeed"},
-          "train/engines": {"base", "engines"},  # the deploy check's engines: no trainer installed
+          "engines": {"base", "engines"},  # the deploy check's engines: no trainer installed
           "scripts": {"base", "train", "deepspeed", "engines"},
           "tests": {"base", "train", "deepspeed", "engines", "dev"}}
 # imports that run in another environment than draftsmith's
-ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): train/engines/workers/vllm_judge.py "
+ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): engines/workers/vllm_judge.py "
                      "and vllm_corpus.py run there"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
 LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained"}
@@ -271,9 +271,9 @@ def test_pip_install_replaces_a_torch_below_the_floor(tmp_path, offline_index):
 
 def test_a_script_run_by_path_finds_the_packages_it_imports_not_its_neighbours():
     """Python puts a script's own folder first on its path: vLLM's workers, run by path in vLLM's venv, once sat
-    beside train/engines/vllm.py and imported it for vLLM. No file or folder beside a worker may be named like a
+    beside engines/vllm.py and imported it for vLLM. No file or folder beside a worker may be named like a
     package it imports."""
-    workers = ROOT / "train" / "engines" / "workers"
+    workers = ROOT / "engines" / "workers"
     scripts = sorted(workers.glob("vllm_*.py"))
     assert len(scripts) == 2
     for script in scripts:

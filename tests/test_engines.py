@@ -12,9 +12,9 @@ from helpers import required
 
 from draftsmith.deploy.conformance import Setting, check, open_bundle
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.engines.llamacpp import missing as llamacpp_missing
-from draftsmith.train.engines.vllm import missing as vllm_missing
-from draftsmith.train.engines.vllm import python_path as vllm_python
+from draftsmith.engines.llamacpp import missing as llamacpp_missing
+from draftsmith.engines.vllm import missing as vllm_missing
+from draftsmith.engines.vllm import python_path as vllm_python
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
@@ -51,7 +51,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     """Assisted generation takes a plain PreTrainedModel: the draft runs its full head there (exact all the same);
     it used to crash on our pruned-head wrapper ('PrunedHeadDraft' object has no attribute 'device')."""
     from draftsmith.sampling.pruned import PrunedHeadDraft
-    from draftsmith.train.engines.transformers import TransformersEngine
+    from draftsmith.engines.transformers import TransformersEngine
 
     bundle = open_bundle(demo_bundle)
     engine = TransformersEngine(bundle)
@@ -64,7 +64,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
 
 @installed("vllm", vllm_missing())
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
-    from draftsmith.train.engines.vllm import VllmEngine
+    from draftsmith.engines.vllm import VllmEngine
 
     bundle = open_bundle(demo_bundle)
     engine = VllmEngine(bundle)
@@ -88,7 +88,7 @@ KNOWN_VLLM_SAMPLING = {("cpu", "0.32.0"): "fail"}
 
 @installed("llamacpp", llamacpp_missing())
 def test_llamacpp_is_judged(demo_bundle):
-    from draftsmith.train.engines.llamacpp import LlamaCppEngine
+    from draftsmith.engines.llamacpp import LlamaCppEngine
 
     bundle = open_bundle(demo_bundle)
     report = check(bundle, LlamaCppEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=500, n_prompts=2,
@@ -134,8 +134,8 @@ def feature_bundle(demo_target, tmp_path_factory):
 
 
 def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(feature_bundle):
-    from draftsmith.train.engines.draftsmith import DraftsmithEngine
-    from draftsmith.train.engines.transformers import TransformersEngine
+    from draftsmith.engines.draftsmith import DraftsmithEngine
+    from draftsmith.engines.transformers import TransformersEngine
 
     bundle = open_bundle(feature_bundle)
     report = check(bundle, DraftsmithEngine(bundle), [Setting(0.0), Setting(0.8, 0.95)], draws=600, n_prompts=2,
@@ -161,9 +161,9 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, dem
     import shutil
 
     from draftsmith.deploy.bundle import Bundle
-    from draftsmith.train.engines.base import Job
-    from draftsmith.train.engines.draftsmith import DraftsmithEngine
-    from draftsmith.train.engines.vllm import VllmEngine
+    from draftsmith.engines.base import Job
+    from draftsmith.engines.draftsmith import DraftsmithEngine
+    from draftsmith.engines.vllm import VllmEngine
 
     bundle = open_bundle(feature_bundle)
     kw = dict(texts=REPEATS, max_new_tokens=32)

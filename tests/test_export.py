@@ -109,7 +109,7 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
 
 def test_deploy_check_names_the_engine_and_bundle_when_the_engine_crashes(bundle, tmp_path, monkeypatch, capsys):
     from draftsmith.deploy.conformance import main
-    from draftsmith.train.engines.transformers import TransformersEngine
+    from draftsmith.engines.transformers import TransformersEngine
 
     _, out = bundle
 

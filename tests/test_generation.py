@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT, run_entry, tiny_llama
 
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.engines.vllm import batches as vllm_batches
+from draftsmith.engines.vllm import batches as vllm_batches
 from draftsmith.train.generation import choose_engine, own_batches
 
 

@@ -1,4 +1,4 @@
-"""The package's layers hold: sampling < train < deploy < scripts. A lower layer never imports a higher one (the
+"""The package's layers hold: sampling < engines < train < deploy < scripts. A lower layer never imports a higher one (the
 sampler deploys without the trainer; an engine is judged without it, export alone reading a run's checkpoint), and
 no module imports itself back through others. Every import counts, a lazy one inside a function too."""
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"sampling": 0, "train": 1, "deploy": 2, "scripts": 3}
+LAYERS = {"sampling": 0, "engines": 1, "train": 2, "deploy": 3, "scripts": 4}
 # deploy's one door into train: export reads a run's checkpoint and measures the pair as training did
 ALLOWED_UP = {("deploy.export", "train")}
 
@@ -51,7 +51,7 @@ def test_no_module_imports_a_higher_layer_or_an_old_top_level_name():
                 bad.append(f"{mod} imports {dep[4:]} (the package is draftsmith.*)")
             elif LAYERS[dep.split(".")[0]] > LAYERS[mod.split(".")[0]] and (mod, dep.split(".")[0]) not in ALLOWED_UP:
                 bad.append(f"{mod} imports {dep}")
-    assert not bad, "upward imports (sampling < train < deploy < scripts):\n" + "\n".join(sorted(bad))
+    assert not bad, "upward imports (sampling < engines < train < deploy < scripts):\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycles():
@@ -95,8 +95,8 @@ def test_the_deploy_path_loads_no_trainer():
     code = ("import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]; "
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({TRAINER!r})))")
     deploy_path = ["draftsmith.deploy.cli", "draftsmith.sampling.generate", "draftsmith.deploy.export",
-                   "draftsmith.deploy.conformance", "draftsmith.train.engines.vllm",
-                   "draftsmith.train.engines.llamacpp", "draftsmith.deploy.bundle"]
+                   "draftsmith.deploy.conformance", "draftsmith.engines.vllm",
+                   "draftsmith.engines.llamacpp", "draftsmith.deploy.bundle"]
     res = subprocess.run([sys.executable, "-c", code, *deploy_path], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]", res.stdout

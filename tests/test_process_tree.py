@@ -1,4 +1,4 @@
-"""vLLM's processes end with the run that started them, however it ends (train/process_tree.py), in the trainer's
+"""vLLM's processes end with the run that started them, however it ends (engines/process_tree.py), in the trainer's
 corpus engine (`engines.vllm.batches`) and in deploy_check's (`VllmEngine`). Here a stand-in for vLLM's python runs the
 real guard and a fake worker that, as vLLM's does, starts an engine process of its own and leaves it running: a
 worker killed alone leaves it behind. The same endings with vLLM itself: tests/test_engines.py."""
@@ -14,7 +14,7 @@ import pytest
 from helpers import processes_after, processes_of
 
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.engines.vllm import batches as vllm_batches
+from draftsmith.engines.vllm import batches as vllm_batches
 
 
 class Check:
@@ -38,7 +38,7 @@ def _corpus(target, check, **kw):
 
 
 def _deploy(target):
-    from draftsmith.train.engines.vllm import VllmEngine
+    from draftsmith.engines.vllm import VllmEngine
 
     return VllmEngine(SimpleNamespace(target_dir=target, path=target), timeout_s=120).run([], speculative=False)
 
@@ -69,7 +69,7 @@ def test_the_engines_process_tree_ends_with_the_run_done_or_failed(fake_vllm, mo
 RUN = {  # a run that uses the engine, in a process of its own, until a signal ends it
     "corpus": """
 import sys, torch
-from draftsmith.train.engines.vllm import batches as vllm_batches
+from draftsmith.engines.vllm import batches as vllm_batches
 class Check:
     request = {"prompt": [1, 2], "n": 4, "seed": 0}
     def __call__(self, samples, version):
@@ -81,7 +81,7 @@ list(vllm_batches(sys.argv[1], torch.float32, [[1, 2]], 1, seed=0, first_row=0, 
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from draftsmith.train.engines.vllm import VllmEngine
+from draftsmith.engines.vllm import VllmEngine
 VllmEngine(SimpleNamespace(target_dir=Path(sys.argv[1])), timeout_s=120).run([], speculative=False)
 """,
 }

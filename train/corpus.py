@@ -258,7 +258,7 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     from tqdm import tqdm
 
     from draftsmith.sampling.prompts import pad_id, prompt_rows
-    from draftsmith.train.engines import vllm
+    from draftsmith.engines import vllm
     from draftsmith.train.generation import own_batches, teacher_batches
 
     out_path = Path(out_path)

@@ -52,7 +52,7 @@ from draftsmith.train.data import (
     rows_digest,
     validation_prompts,
 )
-from draftsmith.train.engines import vllm
+from draftsmith.engines import vllm
 from draftsmith.train.feature import build_feature_draft
 from draftsmith.train.generation import EngineCheck, choose_engine, measure_engines
 from draftsmith.train.launch import (

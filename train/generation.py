@@ -4,7 +4,7 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
 
 - `draftsmith`: our sampler's plain loop (`autoregressive_generate`), in this process; it also keeps a feature
   draft's features (the hidden states it reads), which no serving engine hands out.
-- `vllm`: offline `LLM.generate` in vLLM's own venv (`train/engines/vllm.py` `batches`), batched, with the recipe's
+- `vllm`: offline `LLM.generate` in vLLM's own venv (`engines/vllm.py` `batches`), batched, with the recipe's
   temperature and top-p, its raw top-k log-probabilities kept. Before any sample is kept, its plain sampling is
   judged against the target's probabilities in the dtype it runs (`EngineCheck`): an engine that samples the wrong
   distribution would teach the draft the wrong target. Its whole process tree ends with the run (`process_tree`).
@@ -27,7 +27,7 @@ from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, pair_cells
 from draftsmith.sampling.machine import cache_home, machine_key, read_json, write_json
 from draftsmith.sampling.precision import dtype_name
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.train.engines import vllm
+from draftsmith.engines import vllm
 from draftsmith.train.teacher import half_features, top_logprobs
 
 CORPUS_ENGINES = ("draftsmith", "vllm", "auto")  # data.generated.engine

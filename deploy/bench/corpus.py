@@ -17,7 +17,7 @@ from draftsmith.sampling.cli import examples
 from draftsmith.sampling.load import load_model, load_tokenizer
 from draftsmith.sampling.machine import machine, write_json
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
-from draftsmith.train.engines import vllm
+from draftsmith.engines import vllm
 from draftsmith.train.generation import own_batches
 
 

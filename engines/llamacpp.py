@@ -26,7 +26,7 @@ import torch
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import cache_home, files_sha256
-from draftsmith.train.engines.base import Engine, Output
+from draftsmith.engines.base import Engine, Output
 
 VERSION = "0.3.36"
 INSTALL = "draftsmith engines install llamacpp"

@@ -25,16 +25,16 @@ INSTALLABLE = ("vllm", "llamacpp")
 
 
 def module(name: str):
-    """The engine's module (draftsmith.train.engines.NAME)."""
+    """The engine's module (draftsmith.engines.NAME)."""
     if name not in ENGINES:
         raise DraftsmithError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
-    return import_module(f"draftsmith.train.engines.{ENGINES[name][0]}")
+    return import_module(f"draftsmith.engines.{ENGINES[name][0]}")
 
 
 def open_engine(name: str, bundle, dtype: str = "fp32"):
     """The engine, opened on `bundle`; dtype reaches the in-process engines (vLLM and llama.cpp run in fp32 here, as
     the judge does). An engine that is not installed is refused in one line that says how to install it."""
-    from draftsmith.train.engines.base import InProcess
+    from draftsmith.engines.base import InProcess
 
     cls = getattr(module(name), ENGINES[name][1])
     return cls(bundle, dtype) if issubclass(cls, InProcess) else cls(bundle)

@@ -1,6 +1,6 @@
-"""Run a conformance request in vLLM; started by `train/engines/vllm.py` `VllmEngine` with the vLLM venv's python:
+"""Run a conformance request in vLLM; started by `engines/vllm.py` `VllmEngine` with the vLLM venv's python:
 
-    ~/.cache/draftsmith/engines/vllm/bin/python train/engines/vllm_judge.py request.json result.json
+    ~/.cache/draftsmith/engines/vllm/bin/python engines/vllm_judge.py request.json result.json
 
 Imports only vLLM and the standard library: that venv has no draftsmith (vLLM pins an older transformers).
 The request's `speculative_config` is the bundle's `vllm_speculative_config.json`, passed as written.

@@ -7,7 +7,7 @@ training corpus (`batches`, `data.generated.engine=vllm`) and the deploy judge (
   (a GPU node's own vLLM) instead.
 - Launch: a worker script run by that venv's python (`workers/vllm_corpus.py`, `workers/vllm_judge.py`: they import
   no draftsmith),
-  talking through files; its whole process tree (EngineCore, Workers) ends with the run (`train/process_tree.py`).
+  talking through files; its whole process tree (EngineCore, Workers) ends with the run (`engines/process_tree.py`).
 - Quirks: the CPU build's attention takes only some head sizes (`CPU_HEAD_DIMS`, refused before a minute-long
   start); it needs eager mode and a small KV space on a CPU (VLLM_CPU_KVCACHE_SPACE); our PYTHONPATH must not
   leak into its venv.
@@ -33,8 +33,8 @@ from safetensors.torch import load_file
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import resolve
 from draftsmith.sampling.machine import cache_home
-from draftsmith.train import process_tree
-from draftsmith.train.engines.base import Engine, Output
+from draftsmith.engines import process_tree
+from draftsmith.engines.base import Engine, Output
 
 VERSION = "0.32.0"
 INSTALL = "draftsmith engines install vllm"

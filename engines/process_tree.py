@@ -1,5 +1,5 @@
 """A helper process whose whole tree ends with the run that started it: vLLM's worker
-(`train/engines/workers/vllm_corpus.py`, `vllm_judge.py`) starts an EngineCore process, which starts its Workers;
+(`engines/workers/vllm_corpus.py`, `vllm_judge.py`) starts an EngineCore process, which starts its Workers;
 killing the worker alone leaves them behind, re-parented to init, spinning at 100% CPU (on a GPU, holding its memory
 for the next run).
 

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_dir
-from draftsmith.train.engines.base import InProcess, Output
+from draftsmith.engines.base import InProcess, Output
 
 
 class TransformersEngine(InProcess):

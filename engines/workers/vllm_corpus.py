@@ -1,7 +1,7 @@
-"""Sample a corpus in vLLM; started by `train/engines/vllm.py` `batches` (`data.generated.engine=vllm`) with the vLLM
+"""Sample a corpus in vLLM; started by `engines/vllm.py` `batches` (`data.generated.engine=vllm`) with the vLLM
 venv's python:
 
-    ~/.cache/draftsmith/engines/vllm/bin/python train/engines/vllm_corpus.py request.json OUT_DIR
+    ~/.cache/draftsmith/engines/vllm/bin/python engines/vllm_corpus.py request.json OUT_DIR
 
 Imports only vLLM, its torch and safetensors, and the standard library: that venv has no draftsmith (vLLM pins an
 older transformers). Writes, each atomically (a temporary name, then a rename):

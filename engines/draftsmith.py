@@ -8,7 +8,7 @@ import torch
 
 from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
-from draftsmith.train.engines.base import InProcess, Output
+from draftsmith.engines.base import InProcess, Output
 
 
 class DraftsmithEngine(InProcess):
