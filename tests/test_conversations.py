@@ -1,0 +1,207 @@
+"""Chat conversations: the readers (both shapes, aliases, field mapping, bad rows counted), the held-out split, the
+chat template's rendering (one BOS, the assistant's tokens marked), the cut rules, and batching that never lets a
+sample see another (which today's packing does)."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train import conversations as conv
+from draftsmith.train.chat import PROMPT_TOO_LONG, TAIL_CUT, Sample, chat_batches, cut, last_turn_only, render, show
+from draftsmith.train.conversations import Fields, is_heldout, read_conversations
+
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llama3_tok():
+    """A Llama-3-style tokenizer built here: its post-processor adds <|begin_of_text|> as Llama 3's does, and its
+    template writes it too, the double-BOS trap."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(["hello there, how are you? I am fine. system user assistant tool"] * 20, trainer)
+    bpe.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  pad_token="<|end_of_text|>")
+    tok.chat_template = LLAMA3
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id  # the tokenizer does add a BOS of its own
+    return tok
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _sharegpt(*turns, cid=None):
+    row = {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    if cid is not None:
+        row["id"] = cid
+    return row
+
+
+def test_both_shapes_aliases_and_parts(tmp_path):
+    rows = [
+        _sharegpt(("system", "be brief"), ("human", "hi"), ("gpt", "hello"), ("human", "more"), ("chatgpt", "ok")),
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                      {"role": "assistant", "content": "c"}]},
+        _sharegpt(("human", "q"), ("bard", "x"), ("user", "and"), ("human", "again"), ("bing", "y")),
+    ]
+    got = read_conversations(str(_write_jsonl(tmp_path / "c.jsonl", rows)), split="all")
+    assert [m["role"] for m in got[0].messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert got[1].messages[0] == {"role": "user", "content": "ab"}
+    assert got[2].messages[2] == {"role": "user", "content": "and\n\nagain"}  # two user turns merged
+    assert [m["role"] for m in got[2].messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_bad_rows_counted_by_kind_and_refused_when_none_left(tmp_path, capsys):
+    rows = [
+        _sharegpt(("human", "hi"), ("gpt", "hello")),
+        "{not json",
+        _sharegpt(("human", "hi"), ("wizard", "hello")),
+        _sharegpt(("human", "hi"), ("gpt", "   ")),
+        _sharegpt(("human", "only a question")),
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                      {"role": "assistant", "content": "a"}]},
+        {"text": "no conversation here"},
+    ]
+    got = read_conversations(str(_write_jsonl(tmp_path / "bad.jsonl", rows)), split="all")
+    assert len(got) == 1
+    err = capsys.readouterr().err.splitlines()
+    for kind in ("unparseable JSON", "unknown role", "empty turn", "no assistant turn", "non-text content",
+                 "no conversation field"):
+        assert sum(f"1 conversation ({kind})" in line for line in err) == 1, (kind, err)
+    with pytest.raises(DraftsmithError, match="no usable conversation"):
+        read_conversations(str(_write_jsonl(tmp_path / "none.jsonl", rows[1:])), split="all")
+
+
+def test_field_mapping_json_and_parquet(tmp_path):
+    rows = [{"uid": "a", "dialog": [{"speaker": "human", "text": "hi"}, {"speaker": "gpt", "text": "yo"}]}]
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(rows))
+    fields = Fields(messages="dialog", role="speaker", content="text", id="uid")
+    got = read_conversations(str(f), fields, split="all")
+    assert got[0].id == "a" and got[0].messages[1] == {"role": "assistant", "content": "yo"}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "q"},
+                                                       {"role": "assistant", "content": "r"}]}]),
+                   tmp_path / "c.parquet")
+    assert read_conversations(str(tmp_path / "c.parquet"), split="all")[0].messages[1]["content"] == "r"
+
+
+def test_cut_json_array_keeps_whole_rows_and_says_so(tmp_path, capsys):
+    rows = [_sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"), cid=str(i)) for i in range(50)]
+    text = json.dumps(rows, indent=2)
+    f = tmp_path / "cut.json"
+    f.write_text(text[: text.index('"a47"') + 3])  # mid-string, as ShareGPT's wheel ends
+    skipped = conv.Skipped()
+    got = list(conv._json_array(f, skipped, chunk=64))  # small chunks: rows straddle every read
+    assert [r["id"] for r in got] == [str(i) for i in range(47)]
+    assert "47 whole rows" in skipped.cut
+    read_conversations(str(f), split="all")
+    assert "is cut before its end" in capsys.readouterr().err
+
+
+def test_heldout_split_is_by_first_user_turn_and_disjoint(tmp_path):
+    rows = [_sharegpt(("human", f"question number {i}"), ("gpt", "a"), cid=str(i)) for i in range(2000)]
+    f = str(_write_jsonl(tmp_path / "c.jsonl", rows))
+    train = read_conversations(f, quiet=True)
+    held = read_conversations(f, split="heldout", quiet=True)
+    assert len(train) + len(held) == 2000 and 10 < len(held) < 80  # about 2%
+    assert not any(is_heldout(c) for c in train) and all(is_heldout(c.messages) for c in held)
+    # the same conversation under another id, whitespace or shape is held out too
+    m = held[0].messages
+    assert is_heldout([{"role": "system", "content": "s"}, {"role": "user", "content": "  " + m[0]["content"]}])
+
+
+def test_render_one_bos_and_assistant_mask(llama3_tok):
+    tok = llama3_tok
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "I am fine"}, {"role": "tool", "content": "how are"},
+            {"role": "user", "content": "you?"}, {"role": "assistant", "content": "fine"}]
+    s = render(tok, msgs)
+    assert s.ids.count(tok.bos_token_id) == 1 and s.ids[0] == tok.bos_token_id
+    trained = tok.decode([t for t, on in zip(s.ids, s.trained) if on])
+    assert trained == "I am fine<|eot_id|>fine<|eot_id|>"  # both answers and their end-of-turn, nothing else
+    assert s.turn_ends[-1] == len(s.ids) and tok.decode(s.ids[: s.turn_ends[0]]).endswith("I am fine<|eot_id|>")
+    last = last_turn_only(s)
+    assert tok.decode([t for t, on in zip(last.ids, last.trained) if on]) == "fine<|eot_id|>"
+
+
+def test_cut_rules():
+    s = Sample(list(range(20)), [False] * 4 + [True] * 4 + [False] * 4 + [True] * 8, [8, 20])
+    counts = Counter()
+    assert cut(s, 20, counts) is s
+    kept = cut(s, 15, counts)  # the second exchange does not fit: dropped whole
+    assert kept.ids == list(range(8)) and kept.turn_ends == [8]
+    kept = cut(s, 6, counts)  # the first exchange alone is too long: its assistant tail cut, counted
+    assert kept.ids == list(range(6)) and sum(kept.trained) == 2 and counts[TAIL_CUT] == 1
+    assert cut(s, 4, counts) is None and counts[PROMPT_TOO_LONG] == 1
+
+
+def _no_crossing(rows: torch.Tensor, mask: torch.Tensor | None, samples: list[list[int]]) -> bool:
+    """Every row is one sample from its start (position 0), and nothing else but padding."""
+    starts = {tuple(s) for s in samples}
+    for r in range(len(rows)):
+        n = int(mask[r].sum()) if mask is not None else rows.shape[1]
+        if tuple(rows[r, :n].tolist()) not in starts:
+            return False
+    return True
+
+
+def test_batches_never_cross_samples_where_todays_packing_does(tmp_path, llama3_tok, monkeypatch):
+    """The chat batches hold one sample a row, from its start; today's 256-token packing (load_blocks) runs samples
+    into each other, and this same check fails on it."""
+    from draftsmith.train.corpus import load_blocks
+
+    tok = llama3_tok
+    texts = [f"hello there {'how are you ' * (i % 7 + 1)}" for i in range(60)]
+    samples = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    blocks = load_blocks(str(f), tok, 32, val_fraction=0.1, min_train_blocks=1, min_val_blocks=1)
+    assert not _no_crossing(blocks["train"], None, samples)
+    batches = chat_batches([Sample(s, [True] * len(s), [len(s)]) for s in samples], 4, tok.pad_token_id, 8)
+    for b in batches:
+        assert _no_crossing(b["ids"], b["mask"], samples)
+        assert b["ids"].shape[1] % 8 == 0 and b["loss_mask"].shape == (4, b["ids"].shape[1] - 1)
+        assert not (b["loss_mask"] & ~b["mask"][:, 1:].bool()).any()  # padding never trained
+
+
+def test_padded_row_sees_only_itself(llama3_tok):
+    """A sample's logits in a batch equal its logits alone: position 0 at its start and no attention outside it."""
+    from draftsmith.train.onpolicy import Batch
+    from conftest import tiny_llama
+
+    model = tiny_llama(vocab=len(llama3_tok), hidden=64, heads=2).eval()
+    a, b = [5, 9, 33, 40, 7, 8, 11], [12, 13, 60]
+    batch = chat_batches([Sample(a, [True] * 7, [7]), Sample(b, [True] * 3, [3])], 2, 0, 8)[0]
+    with torch.no_grad():
+        got = Batch(batch["ids"], batch["mask"]).logits(model)
+        for row in range(2):
+            n = int(batch["mask"][row].sum())
+            alone = model(input_ids=batch["ids"][row: row + 1, : n - 1]).logits[0]
+            torch.testing.assert_close(got[row, : n - 1], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_show_marks_trained_tokens(llama3_tok):
+    s = render(llama3_tok, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}])
+    batch = chat_batches([s], 1, llama3_tok.pad_token_id)[0]
+    text = show(llama3_tok, batch)
+    assert text.endswith("⟦fine<|eot_id|>⟧") and text.count("⟦") == 1
