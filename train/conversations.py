@@ -261,10 +261,10 @@ def _file_rows(path: Path, skipped: Skipped) -> Iterator:
     elif path.suffix == ".json":
         yield from _json_array(path, skipped)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import datasets
 
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+        datasets.disable_progress_bars()
+        yield from datasets.load_dataset("parquet", data_files=str(path), split="train")
     else:
         raise DraftsmithError(f"{path}: conversations are read from {', '.join(_SUFFIXES)} files, not {path.suffix}")
 
