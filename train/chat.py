@@ -58,7 +58,8 @@ def render(tokenizer, messages: list[dict], enable_thinking: bool | None = None)
             raise DraftsmithError("the target's chat template renders earlier turns differently once later ones "
                                   "follow (e.g. it strips thinking from past turns), so its assistant tokens cannot "
                                   "be marked in one pass: train on the last turn only (data.last_turn_only=true)")
-        spans.append((len(before), len(upto)))
+        # the turn ends at its end-of-turn marker: the template's whitespace after it is never sampled
+        spans.append((len(before), len(upto.rstrip())))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     trained = [any(a <= s < b for a, b in spans) for s, _ in offsets]
