@@ -205,3 +205,58 @@ def test_show_marks_trained_tokens(llama3_tok):
     batch = chat_batches([s], 1, llama3_tok.pad_token_id)[0]
     text = show(llama3_tok, batch)
     assert text.endswith("⟦fine<|eot_id|>⟧") and text.count("⟦") == 1
+
+
+def _tiny_target(tok):
+    from conftest import tiny_llama
+
+    return tiny_llama(vocab=len(tok), hidden=64, heads=2, max_positions=512, logit_scale=8.0)
+
+
+def _convs():
+    from draftsmith.train.conversations import Conversation
+
+    def c(i):
+        return Conversation(str(i), [{"role": "user", "content": f"hello there {i}"},
+                                     {"role": "assistant", "content": "old answer"},
+                                     {"role": "user", "content": "how are you?"},
+                                     {"role": "assistant", "content": "old again"}])
+    return [c(i) for i in range(3)]
+
+
+def test_regeneration_turn_by_turn_with_its_own_answers(tmp_path, llama3_tok):
+    """Greedy regeneration: each assistant turn is the target's own greedy answer given the conversation so far,
+    its earlier regenerated answers included, through the template."""
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.train.chat import template_text
+    from draftsmith.train.chatcorpus import regenerate
+
+    tok, target = llama3_tok, _tiny_target(llama3_tok)
+    path = regenerate(target, tok, _convs()[:1], tmp_path / "r.jsonl", max_new_tokens=5, temperature=0.0,
+                      progress=False)
+    msgs = json.loads(path.read_text())["messages"]
+
+    def greedy(history):
+        ids = torch.tensor([tok(template_text(tok, history, True), add_special_tokens=False)["input_ids"]])
+        out = autoregressive_generate(target, ids, max_new_tokens=5, temperature=0.0, eos_token_id=tok.eos_token_id)
+        return tok.decode(out.tokens[0], skip_special_tokens=True)
+
+    assert msgs[1]["content"] == greedy(msgs[:1]) and msgs[1]["content"] != "old answer"
+    assert msgs[3]["content"] == greedy(msgs[:3])
+    capped = regenerate(target, tok, _convs()[:1], tmp_path / "cap.jsonl", max_new_tokens=5, temperature=0.0,
+                        max_turns=1, progress=False)
+    row = json.loads(capped.read_text())
+    assert row["regenerated"] == 1 and len(row["messages"]) == 2  # what followed the cap is dropped
+
+
+def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
+    """A run killed after one conversation (and mid-way through the next line) continues to the file an
+    uninterrupted run writes."""
+    from draftsmith.train.chatcorpus import regenerate
+
+    tok, target = llama3_tok, _tiny_target(llama3_tok)
+    kw = dict(max_new_tokens=4, temperature=0.8, batch_size=1, seed=3, progress=False)
+    whole = regenerate(target, tok, _convs(), tmp_path / "whole.jsonl", **kw).read_text()
+    part = tmp_path / "part.jsonl"
+    part.write_text(whole.splitlines(keepends=True)[0] + whole.splitlines()[1][:17])  # one row, then a torn one
+    assert regenerate(target, tok, _convs(), part, **kw).read_text() == whole

@@ -149,8 +149,9 @@ def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable
                 bar.write(f"regeneration: {max_seconds / 60:.2g} min spent (data.generated.max_minutes), stopping at "
                           f"{written[0]} of {len(convs)} conversations; a rerun continues the cached file")
                 break
-    print(f"draftsmith: regeneration: {new_tokens} tokens in {time.perf_counter() - t0:.1f} s "
-          f"({new_tokens / max(1e-9, time.perf_counter() - t0):.1f} tokens/s, our loop)", file=sys.stderr)
+    if new_tokens:
+        print(f"draftsmith: regeneration: {new_tokens} tokens in {time.perf_counter() - t0:.1f} s "
+              f"({new_tokens / max(1e-9, time.perf_counter() - t0):.1f} tokens/s, our loop)", file=sys.stderr)
     return out_path
 
 
