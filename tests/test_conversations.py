@@ -260,3 +260,42 @@ def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
     part = tmp_path / "part.jsonl"
     part.write_text(whole.splitlines(keepends=True)[0] + whole.splitlines()[1][:17])  # one row, then a torn one
     assert regenerate(target, tok, _convs(), part, **kw).read_text() == whole
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow  # about 2 minutes on 2 shared cores: the target regenerates, then a smoke run trains
+def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
+    """`draftsmith data` regenerates a file with malformed rows (each kind counted) and shows the trained tokens;
+    `draftsmith train` with the same overrides trains on that corpus without regenerating it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from draftsmith.sampling.load import resolve
+
+    target = tmp_path / "tiny-chat"
+    shutil.copytree(resolve("tiny-random"), target)
+    (target / "chat_template.jinja").write_text(CHATML)
+    rows = [_sharegpt(("human", f"def f{i}(x): return x"), ("gpt", f"f{i} returns x"), ("human", "and?"),
+                      ("gpt", "nothing else")) for i in range(14)]
+    rows += ["{oops", _sharegpt(("human", "q"), ("alien", "a")), _sharegpt(("human", "q"))]
+    src = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    env = dict(__import__("os").environ, DRAFTSMITH_HOME=str(tmp_path / "home"))
+    common = ["recipe=smoke", f"target.name={target}", "data=chat", f"data.source={src}", "data.turn_max_new_tokens=8",
+              "data.batch_size=2", "sampler.n_prompts=2", "sampler.on_target_prompts=2"]
+    cli = [sys.executable, "-m", "draftsmith.deploy.cli"]
+    res = subprocess.run([*cli, "data", *common, f"hydra.run.dir={tmp_path / 'data'}", "--show", "2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for kind in ("unparseable JSON", "unknown role", "no assistant turn"):
+        assert f"skipped 1 conversation ({kind})" in res.stderr
+    assert "regeneration:" in res.stderr and res.stdout.count("--- sample") == 2 and "⟦" in res.stdout
+    res = subprocess.run([*cli, "train", *common, f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "batches of whole conversations" in out and "regeneration:" not in out  # data's corpus, not a new one
+    assert "val/alpha_on_target" in out
