@@ -59,12 +59,14 @@ def test_both_shapes_aliases_and_parts(tmp_path):
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                       {"role": "assistant", "content": "c"}]},
         _sharegpt(("human", "q"), ("bard", "x"), ("user", "and"), ("human", "again"), ("bing", "y")),
+        _sharegpt(("gpt", "continued from before"), ("human", "q"), ("gpt", "a")),
     ]
     got = read_conversations(str(_write_jsonl(tmp_path / "c.jsonl", rows)), split="all")
     assert [m["role"] for m in got[0].messages] == ["system", "user", "assistant", "user", "assistant"]
     assert got[1].messages[0] == {"role": "user", "content": "ab"}
     assert got[2].messages[2] == {"role": "user", "content": "and\n\nagain"}  # two user turns merged
     assert [m["role"] for m in got[2].messages] == ["user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in got[3].messages] == ["user", "assistant"]  # the answer to nothing dropped
 
 
 def test_bad_rows_counted_by_kind_and_refused_when_none_left(tmp_path, capsys):
@@ -299,3 +301,40 @@ def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
     out = res.stdout + res.stderr
     assert "batches of whole conversations" in out and "regeneration:" not in out  # data's corpus, not a new one
     assert "val/alpha_on_target" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["draft=feature_head"], "a feature draft's unrolled steps"),
+    (["data.on_policy_fraction=0.5", "loss=distill_tv"], "data=chat is its own corpus"),
+    (["data.format=dialogue"], "data.format must be text or chat"),
+])
+def test_chat_settings_that_cannot_work_are_refused_in_one_line(overrides, message, llama3_tok):
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.data import check_data
+    from draftsmith.train.draft import RECIPES
+
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat", *overrides])
+    with pytest.raises(DraftsmithError, match=message):
+        check_data(cfg, llama3_tok)
+
+
+def test_a_target_without_a_chat_template_is_refused(llama3_tok):
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.data import check_data
+    from draftsmith.train.draft import RECIPES
+    from draftsmith.train.schema import preflight
+
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat"])
+    check_data(cfg, llama3_tok)  # the group as shipped passes
+    import copy
+
+    bare = copy.deepcopy(llama3_tok)
+    bare.chat_template = None
+    with pytest.raises(DraftsmithError, match="needs the target's chat template"):
+        check_data(cfg, bare)
+    with pytest.raises(DraftsmithError, match="data.regenerate"):  # a typed key: a wrong type in one line
+        preflight(["data=chat", "data.regenerate=maybe"], RECIPES)

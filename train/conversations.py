@@ -10,7 +10,8 @@ Sources (`data.source` with `data=chat`):
 A row is either ShareGPT-shaped (`conversations`: [{"from", "value"}]) or OpenAI-shaped (`messages`: [{"role",
 "content"}], content a string or an array of text parts); `fields` maps other names onto these. Roles go through
 one alias table (`ROLES`). Tool turns stay as context: never trained on, never regenerated. Two user turns in a row
-are merged into one (templates that alternate strictly refuse them, and the target never saw such a turn). Rows that
+are merged into one (templates that alternate strictly refuse them, and the target never saw such a turn); assistant
+turns before any user turn (a conversation split mid-way) are dropped. Rows that
 cannot be used are skipped and counted by kind (`Skipped`), one line per kind; none left is refused in one line.
 
 One held-out split, by a hash of the conversation's first user turn (`is_heldout`), is excluded from every training
@@ -68,6 +69,7 @@ class Skipped:
 
     counts: Counter = field(default_factory=Counter)
     merged: int = 0  # user turns merged into the one before them
+    leading: int = 0  # assistant turns before any user turn, dropped
     cut: str | None = None  # a line saying a file ended mid-row
 
     def lines(self, source: str) -> list[str]:
@@ -76,6 +78,9 @@ class Skipped:
         if self.merged:
             out.append(f"draftsmith: {source}: merged {self.merged} user turn{'s' * (self.merged != 1)} into the user "
                        "turn before (two user turns in a row)")
+        if self.leading:
+            out.append(f"draftsmith: {source}: dropped {self.leading} assistant turn{'s' * (self.leading != 1)} "
+                       "that came before any user turn")
         if self.cut:
             out.append(f"draftsmith: {self.cut}")
         return out
@@ -115,6 +120,9 @@ def normalize(row, fields: Fields, skipped: Skipped, index: int = 0) -> Conversa
         if not text.strip():
             skipped.counts[EMPTY_TURN] += 1
             return None
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
+            skipped.leading += 1  # an answer to nothing here (a conversation split mid-way): no prompt to train on
+            continue
         if role == "user" and messages and messages[-1]["role"] == "user":
             messages[-1]["content"] += "\n\n" + text
             skipped.merged += 1
