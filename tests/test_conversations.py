@@ -338,3 +338,24 @@ def test_a_target_without_a_chat_template_is_refused(llama3_tok):
         check_data(cfg, bare)
     with pytest.raises(DraftsmithError, match="data.regenerate"):  # a typed key: a wrong type in one line
         preflight(["data=chat", "data.regenerate=maybe"], RECIPES)
+
+
+def test_a_hub_target_brings_its_chat_template(monkeypatch, tmp_path):
+    """transformers 5 keeps an Instruct model's template in chat_template.jinja: a hub target's download must fetch
+    it, or its chat data would be refused (or rendered without it)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from draftsmith.sampling.load import resolve
+
+    asked = {}
+
+    def fake(repo, allow_patterns=None, **_):
+        asked["patterns"] = allow_patterns
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    resolve("someorg/some-instruct")
+    for name in ("chat_template.jinja", "tokenizer.json", "model.safetensors"):
+        assert any(fnmatch.fnmatch(name, p) for p in asked["patterns"]), name
