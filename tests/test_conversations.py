@@ -249,6 +249,12 @@ def test_regeneration_turn_by_turn_with_its_own_answers(tmp_path, llama3_tok):
                         max_turns=1, progress=False)
     row = json.loads(capped.read_text())
     assert row["regenerated"] == 1 and len(row["messages"]) == 2  # what followed the cap is dropped
+    # a turn whose prompt would fill the block is not sampled (training would cut it away), nor what follows it
+    second = len(tok(template_text(tok, msgs[:3], True), add_special_tokens=False)["input_ids"])
+    for limit, turns in ((second + 1, 2), (second, 1), (3, 0)):
+        path = regenerate(target, tok, _convs()[:1], tmp_path / f"fit{limit}.jsonl", max_new_tokens=5,
+                          temperature=0.0, max_prompt_tokens=limit, progress=False)
+        assert json.loads(path.read_text())["regenerated"] == turns
 
 
 def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
