@@ -72,7 +72,7 @@ def chat_path(cfg, tok) -> Path:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
     h.update(json.dumps([d.source, dict(d.get("fields") or {}), d.enable_thinking, d.max_turns, d.turn_max_new_tokens,
-                         d.max_documents, s.temperature, s.top_p, cfg.seed, cfg.target.name,
+                         d.block_size, d.max_documents, s.temperature, s.top_p, cfg.seed, cfg.target.name,
                          tok.chat_template]).encode())
     return cache_home() / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}.jsonl"
 
