@@ -310,7 +310,6 @@ def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["draft=feature_head"], "a feature draft's unrolled steps"),
     (["data.on_policy_fraction=0.5", "loss=distill_tv"], "data=chat is its own corpus"),
     (["data.format=dialogue"], "data.format must be text or chat"),
 ])
@@ -387,3 +386,27 @@ def test_sharegpt_source_and_heldout_chat_set_from_the_cached_wheel(tmp_path, mo
     assert len(train) + len(every) == 2999 and not {c.id for c in train} & {c.id for c in every}
     assert "is cut before its end" in capsys.readouterr().err
     assert conv.sharegpt_file().parent == tmp_path / "datasets" / "sharegpt"
+
+
+def test_feature_heads_unrolled_steps_see_only_their_own_sample():
+    """A feature draft's unrolled steps on a per-sample batch (right-padded rows, the loss mask on real labels) are
+    scored as on each sample alone: every step's alpha is the slot-weighted mean of the samples' own."""
+    from test_feature import feature_draft
+
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.train.feature import feature_alpha
+    from draftsmith.train.onpolicy import Batch
+
+    from conftest import tiny_llama
+
+    target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
+    draft = feature_draft(target, scale=3.0)
+    cfg, steps = SamplingConfig(0.8, 0, 0.95), 3
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 30, (11,), generator=g).tolist(), torch.randint(0, 30, (7,), generator=g).tolist()
+    batch = chat_batches([Sample(a, [True] * 11, [11]), Sample(b, [True] * 7, [7])], 2, 0, 8)[0]
+    both = feature_alpha(target, draft, Batch(batch["ids"], batch["mask"], batch["loss_mask"]), cfg, steps)
+    for s in range(steps):
+        alone = [feature_alpha(target, draft, Batch(torch.tensor([x])), cfg, steps)[s] for x in (a, b)]
+        slots = [len(x) - 2 - s for x in (a, b)]
+        assert both[s] == pytest.approx(sum(v * n for v, n in zip(alone, slots)) / sum(slots), abs=1e-5)

@@ -207,9 +207,6 @@ def check_data(cfg, tokenizer) -> None:
     if d.get("format", "text") not in ("text", "chat"):
         raise DraftsmithError(f"data.format must be text or chat (data=chat), got {d.format}")
     if d.get("format") == "chat":
-        if cfg.draft.get("kind", "independent") == "feature_head":
-            raise DraftsmithError("data=chat trains independent drafts; a feature draft's unrolled steps on chat "
-                                  "batches are not there yet: use data=generated with data.chat_template=true")
         if f > 0 or d.generated.enabled:
             raise DraftsmithError("data=chat is its own corpus: set data.on_policy_fraction=0 and leave "
                                   "data.generated.enabled=false")

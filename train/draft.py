@@ -150,7 +150,7 @@ def train(cfg: DictConfig) -> dict:
         target = target or _load_target(cfg)
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
                                     _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head,
-                                    probe=blocks["train"][:4])
+                                    probe=blocks["train"][0]["ids"][:4] if chat else blocks["train"][:4])
     else:
         draft = build_draft(weights or target, draft_cfg)
     head_tokens = None

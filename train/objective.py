@@ -150,5 +150,6 @@ class FeatureObjective:
 
     def validate(self, m, ids: torch.Tensor) -> dict:
         """alpha_analytic, the mean over the unrolled steps (draft positions 1..K)."""
-        steps = feature_alpha(m.target, m.draft, Batch(ids), m.sampling, self.unroll)
+        steps = feature_alpha(m.target, m.draft, ids if isinstance(ids, Batch) else Batch(ids), m.sampling,
+                              self.unroll)
         return {"val/alpha_analytic": sum(steps) / len(steps)}
