@@ -410,3 +410,32 @@ def test_feature_heads_unrolled_steps_see_only_their_own_sample():
         alone = [feature_alpha(target, draft, Batch(torch.tensor([x])), cfg, steps)[s] for x in (a, b)]
         slots = [len(x) - 2 - s for x in (a, b)]
         assert both[s] == pytest.approx(sum(v * n for v, n in zip(alone, slots)) / sum(slots), abs=1e-5)
+
+
+def test_validation_scores_the_trained_tokens_only():
+    """val/alpha_analytic on a chat batch is the mean over the assistant's labels of each sample alone: neither
+    the prompt's positions nor the padding count."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.sampling.rejection import teacher_forced_acceptance
+    from draftsmith.train.objective import IndependentObjective
+    from draftsmith.train.onpolicy import Batch
+
+    target = tiny_llama(vocab=40, seed=0, logit_scale=4.0)
+    draft = tiny_llama(vocab=40, seed=1, logit_scale=4.0)
+    cfg = SamplingConfig(0.8, 0, 1.0)
+    a, b = [3, 5, 7, 9, 11, 13, 15, 17, 19], [2, 4, 6, 8, 10]
+    ta, tb = [False] * 4 + [True] * 5, [False] * 2 + [True] * 3
+    batch = chat_batches([Sample(a, ta, [9]), Sample(b, tb, [5])], 2, 0, 8)[0]
+    m = SimpleNamespace(draft=draft, target=target, sampling=cfg)
+    with torch.no_grad():
+        got = IndependentObjective(draft).validate(m, Batch(batch["ids"], batch["mask"], batch["loss_mask"]))
+        want = []
+        for x, t in ((a, ta), (b, tb)):
+            ids = torch.tensor([x[:-1]])
+            acc = teacher_forced_acceptance(draft(input_ids=ids).logits, target(input_ids=ids).logits, cfg)
+            want += [float(v) for v, on in zip(acc, t[1:]) if on]
+    assert float(got["val/alpha_analytic"]) == pytest.approx(sum(want) / len(want), abs=1e-5)
