@@ -188,8 +188,9 @@ def test_batches_never_cross_samples_where_todays_packing_does(tmp_path, llama3_
 
 def test_padded_row_sees_only_itself(llama3_tok):
     """A sample's logits in a batch equal its logits alone: position 0 at its start and no attention outside it."""
-    from draftsmith.train.onpolicy import Batch
     from conftest import tiny_llama
+
+    from draftsmith.train.onpolicy import Batch
 
     model = tiny_llama(vocab=len(llama3_tok), hidden=64, heads=2).eval()
     a, b = [5, 9, 33, 40, 7, 8, 11], [12, 13, 60]
@@ -391,13 +392,12 @@ def test_sharegpt_source_and_heldout_chat_set_from_the_cached_wheel(tmp_path, mo
 def test_feature_heads_unrolled_steps_see_only_their_own_sample():
     """A feature draft's unrolled steps on a per-sample batch (right-padded rows, the loss mask on real labels) are
     scored as on each sample alone: every step's alpha is the slot-weighted mean of the samples' own."""
+    from conftest import tiny_llama
     from test_feature import feature_draft
 
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.train.feature import feature_alpha
     from draftsmith.train.onpolicy import Batch
-
-    from conftest import tiny_llama
 
     target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
     draft = feature_draft(target, scale=3.0)

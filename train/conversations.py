@@ -27,9 +27,9 @@ import subprocess
 import sys
 import zipfile
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import atomic_path, cache_home

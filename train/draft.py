@@ -38,10 +38,9 @@ from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
-from draftsmith.train import schema
+from draftsmith.train import chatcorpus, schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
-from draftsmith.train import chatcorpus
 from draftsmith.train.chat import padding_share
 from draftsmith.train.corpus import generate_corpus, load_blocks, pair_rows, prefill_teacher, sampled_rows
 from draftsmith.train.data import (

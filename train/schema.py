@@ -144,8 +144,8 @@ class Draftsmith:
     out_dir: str = MISSING
     ckpt_path: str | None = None
     plan: bool = False
-    plan_device_gib: float | None = None
-    prepare_only: bool = False  # `draftsmith data`: prepare the corpus (and show data.show samples), then stop  # the GPU memory plan=true holds the totals against (train/plan.py)
+    plan_device_gib: float | None = None  # the GPU memory plan=true holds the totals against (train/plan.py)
+    prepare_only: bool = False  # `draftsmith data`: prepare the corpus (and show data.show samples), then stop
     optim: Optim = field(default_factory=Optim)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
