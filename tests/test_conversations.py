@@ -439,3 +439,31 @@ def test_validation_scores_the_trained_tokens_only():
             acc = teacher_forced_acceptance(draft(input_ids=ids).logits, target(input_ids=ids).logits, cfg)
             want += [float(v) for v, on in zip(acc, t[1:]) if on]
     assert float(got["val/alpha_analytic"]) == pytest.approx(sum(want) / len(want), abs=1e-5)
+
+
+def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, llama3_tok):
+    """data.regenerate=false: no target is asked for; the held-out conversations are the validation prompts and in
+    no training batch; the batches hold the rest, cut to the block."""
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.chatcorpus import chat_blocks, prepare
+    from draftsmith.train.draft import RECIPES
+
+    rows = [_sharegpt(("human", f"hello there {i}"), ("gpt", "I am fine " * (1 + i % 3))) for i in range(40)]
+    src = _write_jsonl(tmp_path / "c.jsonl", rows)
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat", f"data.source={src}",
+                                          "data.regenerate=false", "data.batch_size=4", "data.block_size=64",
+                                          "sampler.on_target_prompts=4", "sampler.n_prompts=4"])
+
+    def no_target():
+        raise AssertionError("data.regenerate=false must not load the target")
+
+    record = prepare(cfg, llama3_tok, no_target)
+    blocks = chat_blocks(cfg, llama3_tok, record)
+    ids, _ = blocks["prompts"]
+    held = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for r in ids.tolist()}
+    trained = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for b in blocks["train"]
+               for r in b["ids"].tolist()}
+    assert len(held) == 4 and not held & trained and len(held | trained) == 40
+    assert all(b["ids"].shape[1] <= 64 for b in blocks["train"])
