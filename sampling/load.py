@@ -66,6 +66,7 @@ ALIASES = {
     "llama3-70b-shape": _Shape("llama3-70b"),
     "llama3-8b-shape": _Shape("llama3-8b"),
 }
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what a hub target's download fetches
 RANDOM = "random:"  # `random:SHAPE[:LAYERS]`: a shape with random weights (`_materialize_random`)
 
 
@@ -97,7 +98,8 @@ def resolve(name: str) -> Path:
     try:  # a hub id: only works where the hub (or its local cache) is reachable
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        # chat_template.jinja: transformers 5 keeps an Instruct model's template there, not in tokenizer_config.json
+        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
     except Exception as e:
         raise DraftsmithError(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); "
                               f"pass a local checkpoint directory instead") from None

@@ -90,6 +90,18 @@ def loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
     return train, DataLoader(TensorDataset(val), batch_size=d.batch_size, num_workers=d.num_workers)
 
 
+def _one(items: list):
+    return items[0]
+
+
+def chat_loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
+    """data=chat: each item is a whole padded batch (train/chat.py `chat_batches`), the batches in an epoch order
+    of their own (so DataOrder's resume skips whole batches: its batch size is 1 item)."""
+    train = DataLoader(blocks["train"], batch_size=1, collate_fn=_one, drop_last=True,
+                       sampler=EpochOrder(len(blocks["train"]), cfg.seed), num_workers=cfg.data.num_workers)
+    return train, DataLoader(blocks["val"], batch_size=1, collate_fn=_one, num_workers=cfg.data.num_workers)
+
+
 class EpochOrder(Sampler[int]):
     """A shuffle that is a function of (seed, epoch) alone, so a resumed run sees the batches the killed one would
     have: a DataLoader's `shuffle=True` draws each epoch's order from a generator whose state no checkpoint holds.
@@ -192,6 +204,15 @@ def check_data(cfg, tokenizer) -> None:
     if d.get("features", "stored") not in ("stored", "online"):
         raise DraftsmithError(f"data.features must be stored (kept in the store) or online (the target computes them "
                               f"in each step), got {d.features}")
+    if d.get("format", "text") not in ("text", "chat"):
+        raise DraftsmithError(f"data.format must be text or chat (data=chat), got {d.format}")
+    if d.get("format") == "chat":
+        if f > 0 or d.generated.enabled:
+            raise DraftsmithError("data=chat is its own corpus: set data.on_policy_fraction=0 and leave "
+                                  "data.generated.enabled=false")
+        if not getattr(tokenizer, "chat_template", None):
+            raise DraftsmithError(f"data=chat needs the target's chat template, and {cfg.target.name} has none: use "
+                                  "an Instruct target")
     g = d.generated
     if g.enabled:
         if g.max_minutes is not None and not g.max_minutes > 0:

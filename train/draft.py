@@ -38,13 +38,15 @@ from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
-from draftsmith.train import schema
+from draftsmith.train import chatcorpus, schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
+from draftsmith.train.chat import padding_share
 from draftsmith.train.corpus import generate_corpus, load_blocks, pair_rows, prefill_teacher, sampled_rows
 from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
+    chat_loaders,
     check_data,
     line_count,
     loaders,
@@ -100,6 +102,8 @@ def train(cfg: DictConfig) -> dict:
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
+    if cfg.get("prepare_only"):  # `draftsmith data`: the corpus, then stop
+        return _prepare_only(cfg, tok)
     placement = _target_ranks_setting(cfg)
     weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
     # vLLM samples the corpus before the target loads (data.generated.engine=vllm): on a GPU it takes its share of
@@ -117,26 +121,35 @@ def train(cfg: DictConfig) -> dict:
         return target
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
-    data = prepared_once(out_dir, lambda: _prepare_corpus(cfg, teacher, tok, file_prompts, target_config,
-                                                          _corpus_dir(cfg, out_dir, launch)),
+    chat = cfg.data.get("format") == "chat"  # conversations, one a sample (train/chatcorpus.py)
+    data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher) if chat else _prepare_corpus(
+        cfg, teacher, tok, file_prompts, target_config, _corpus_dir(cfg, out_dir, launch)),
                          _corpus_wait_s(cfg), launch)
     if launch.first:
         teacher()
     source = data["source"]
-    blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
-                         data["documents"])
-    print(f"draftsmith: rank {launch.rank} trains on "
-          f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
-    train_dl, val_dl = loaders(blocks, cfg)
-    on_policy = _on_policy(cfg, tok, blocks, file_prompts)
+    if chat:
+        blocks = chatcorpus.chat_blocks(cfg, tok, data)
+        print(f"draftsmith: rank {launch.rank} trains on {len(blocks['train'])} batches of whole conversations of "
+              f"{source} ({padding_share(blocks['train']):.0%} padding)", flush=True)
+        train_dl, val_dl = chat_loaders(blocks, cfg)
+        on_policy = None
+        token_counts = chatcorpus.token_counts(blocks, target_config.vocab_size)
+    else:
+        blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
+                             data["documents"])
+        print(f"draftsmith: rank {launch.rank} trains on "
+              f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
+        train_dl, val_dl = loaders(blocks, cfg)
+        on_policy = _on_policy(cfg, tok, blocks, file_prompts)
+        token_counts = torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size)
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
-    token_counts = torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size)
     if draft_cfg.kind == "feature_head":  # built from a pass of the target: every rank holds it
         target = target or _load_target(cfg)
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
                                     _head_frequencies(cfg, draft_cfg, tok, token_counts), draft_cfg.freeze_head,
-                                    probe=blocks["train"][:4])
+                                    probe=blocks["train"][0]["ids"][:4] if chat else blocks["train"][:4])
     else:
         draft = build_draft(weights or target, draft_cfg)
     head_tokens = None
@@ -157,7 +170,7 @@ def train(cfg: DictConfig) -> dict:
     teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target_config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
                                  features=3 * target_config.hidden_size if feature else 0,
-                                 directory=out_dir) if topk and not online else None
+                                 directory=out_dir) if topk and not online and not chat else None
     # where the target is held: with several ranks, on rank 0 alone when training never calls it (target.ranks)
     why = _training_calls_target(cfg, feature, online, teacher_cache, "train_src" in blocks)
     first_only = _target_ranks(placement, why) and launch.world_size > 1
@@ -184,8 +197,12 @@ def train(cfg: DictConfig) -> dict:
                          feature_noise=draft_cfg.feature_noise,
                          teacher_cache=teacher_cache, head_tokens=head_tokens, validate_on_first=first_only)
     s = cfg.sampler
-    ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
-    on_target = on_target_prompts(cfg, tok, blocks, val_prompts)
+    if chat:  # the held-out conversations' first user turns, through the template: the same prompts for both
+        ids, mask = (t[: s.n_prompts] for t in blocks["prompts"])
+        on_target = tuple(t[: s.on_target_prompts] for t in blocks["prompts"]) if s.on_target_tokens else None
+    else:
+        ids, mask = validation_prompts(blocks, s.n_prompts, s.prompt_tokens)
+        on_target = on_target_prompts(cfg, tok, blocks, val_prompts)
     acceptance_cb = AcceptanceCallback(ids, mask, tok, k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                        max_new_tokens=s.max_new_tokens, seed=cfg.seed,
                                        on_target_prompts=on_target,
@@ -272,6 +289,22 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
                            keep_logits=keep, keep_features=_feature_layers(cfg, target_config) if keep else None,
                            engine=engine, target_name=cfg.target.name, check=check, dtype=dtype,
                            data_parallel_size=g.get("data_parallel_size", 1), **vllm_kw)
+
+
+def _prepare_only(cfg, tok) -> dict:
+    """`draftsmith data`: prepare the chat corpus where `train` will look for it (resumable: a rerun continues), and
+    print `data.show` rendered samples with their trained tokens marked."""
+    if cfg.data.get("format") != "chat":
+        raise DraftsmithError("draftsmith data prepares conversations: add data=chat (data.source=FILE or sharegpt)")
+    target = []
+    record = chatcorpus.prepare(cfg, tok, lambda: target[0] if target else target.append(_load_target(cfg)) or
+                                target[0])
+    blocks = chatcorpus.chat_blocks(cfg, tok, record)
+    n = sum(len(b["ids"]) for b in blocks["train"])
+    print(f"draftsmith: the corpus is ready: {n} conversations of {record['source']} in {len(blocks['train'])} "
+          f"batches ({padding_share(blocks['train']):.0%} padding); draftsmith train with the same overrides uses it")
+    chatcorpus.print_samples(tok, blocks, cfg.data.get("show", 0))
+    return record
 
 
 def _callbacks(cfg) -> list:

@@ -123,9 +123,13 @@ class DraftModule(L.LightningModule):
         return w
 
     def training_step(self, batch, batch_idx):
-        ids = batch[0] if isinstance(batch, (list, tuple)) else batch
-        rows = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None  # block indices
-        b = Batch(ids)
+        if isinstance(batch, dict):  # data=chat: one sample a row from position 0, the loss on assistant tokens
+            b, rows = Batch(batch["ids"], batch["mask"], batch["loss_mask"]), None
+            ids = b.ids
+        else:
+            ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+            rows = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None  # block indices
+            b = Batch(ids)
         if self.on_policy is not None:
             t = time.perf_counter()
             b = self.on_policy(self.sampling_draft, ids, self._progress())  # as deployed: its pruned head
@@ -152,10 +156,11 @@ class DraftModule(L.LightningModule):
         self.log("train/loss", total, prog_bar=True)
         for k, v in parts.items():
             self.log(f"train/{k}", v)
-        self._tokens_seen += ids.numel()
+        real = ids.numel() if b.mask is None else int(b.mask.sum())  # padding is not throughput
+        self._tokens_seen += real
         now = time.perf_counter()
         if self._t_last is not None:
-            self.log("train/tokens_per_s", ids.numel() * self.trainer.world_size / (now - self._t_last), prog_bar=True)
+            self.log("train/tokens_per_s", real * self.trainer.world_size / (now - self._t_last), prog_bar=True)
         self._t_last = now
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
@@ -189,7 +194,8 @@ class DraftModule(L.LightningModule):
         """Teacher-forced alpha_analytic on held-out blocks (train/objective.py, per kind of draft)."""
         if self.first_only:  # `held_out` on rank 0, over all of them
             return
-        ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        ids = (Batch(batch["ids"], batch["mask"], batch["loss_mask"]) if isinstance(batch, dict)
+               else batch[0] if isinstance(batch, (list, tuple)) else batch)
         for name, value in self.objective.validate(self, ids).items():
             self.log(name, value, sync_dist=True, prog_bar=name == "val/alpha_analytic")
 

@@ -94,18 +94,22 @@ class IndependentObjective:
         unknown[b.sampled:] = ~known
         return unknown.reshape(-1)
 
-    def validate(self, m, ids: torch.Tensor) -> dict:
-        """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions."""
-        inputs, labels = ids[:, :-1], ids[:, 1:]
-        logits = self.sampling_draft(m.draft)(input_ids=inputs).logits  # a pruned head's: -inf outside its tokens
-        tlogits = m.target(input_ids=inputs).logits  # validation already runs without grad
+    def validate(self, m, ids) -> dict:
+        """Teacher-forced alpha_analytic on held-out blocks: sum_x min(p, q) of the processed distributions. A
+        Batch with a loss mask (data=chat) is scored where it trains: the assistant's tokens, padding aside."""
+        b = ids if isinstance(ids, Batch) else Batch(ids)
+        logits = b.logits(self.sampling_draft(m.draft))  # a pruned head's: -inf outside its tokens
+        tlogits = b.logits(m.target)  # validation already runs without grad
         V = logits.shape[-1]
-        labels = labels.reshape(-1)
+        labels = b.ids[:, 1:].reshape(-1)
         if self.head_tokens is not None:  # a token outside a pruned head has no class (its logit is -inf)
             labels = torch.where(self._head_class[labels] >= 0, labels, -100)
+        keep = None if b.loss_mask is None else b.loss_mask.reshape(-1).bool()
+        if keep is not None:
+            labels = torch.where(keep, labels, -100)
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels)
         acc = teacher_forced_acceptance(logits, tlogits, m.sampling)
-        return {"val/loss": ce, "val/alpha_analytic": acc.mean()}
+        return {"val/loss": ce, "val/alpha_analytic": acc.mean() if keep is None else acc[keep].mean()}
 
 
 class FeatureObjective:
@@ -146,5 +150,6 @@ class FeatureObjective:
 
     def validate(self, m, ids: torch.Tensor) -> dict:
         """alpha_analytic, the mean over the unrolled steps (draft positions 1..K)."""
-        steps = feature_alpha(m.target, m.draft, Batch(ids), m.sampling, self.unroll)
+        steps = feature_alpha(m.target, m.draft, ids if isinstance(ids, Batch) else Batch(ids), m.sampling,
+                              self.unroll)
         return {"val/alpha_analytic": sum(steps) / len(steps)}

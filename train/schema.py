@@ -101,6 +101,15 @@ class Data:
     prompts: str | None = None
     chat_template: bool = False
     generated: Generated = field(default_factory=Generated)
+    # data=chat (recipes/data/chat.yaml says what each key does; train/chatcorpus.py)
+    format: str = "text"  # text | chat
+    fields: dict[str, str] | None = None
+    regenerate: bool = True
+    enable_thinking: bool | None = None
+    max_turns: int | None = 4
+    turn_max_new_tokens: int = 256
+    last_turn_only: bool = False
+    show: int = 0
 
 
 @dataclass
@@ -136,6 +145,7 @@ class Draftsmith:
     ckpt_path: str | None = None
     plan: bool = False
     plan_device_gib: float | None = None  # the GPU memory plan=true holds the totals against (train/plan.py)
+    prepare_only: bool = False  # `draftsmith data`: prepare the corpus (and show data.show samples), then stop
     optim: Optim = field(default_factory=Optim)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)

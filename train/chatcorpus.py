@@ -1,0 +1,246 @@
+"""`data=chat`: the conversations a run trains on, prepared once (by `draftsmith data` or the first `train`).
+
+- The source's held-out split (`conversations.is_heldout`; where a small source holds fewer than the validation
+  needs, its next-lowest hashes join it) is never trained on or regenerated: its first user turns are the
+  validation prompts, `val/alpha_on_target` among them (the target's own answers, its tokens only scored).
+- `data.regenerate=true`: the target answers again, turn by turn, through its chat template, with its own earlier
+  answers as context (`regenerate`), by our sampler's plain loop (`train/generation.py` own_batches, the loop the
+  generated corpus is checked with); at most `data.max_turns` assistant turns a conversation (what follows the last
+  regenerated one is dropped: its context would no longer be what the target said), each at most
+  `data.turn_max_new_tokens`. Written one conversation a line, resumable at conversation granularity, time-boxed
+  by data.generated.max_minutes, a full disk said in one line with nothing written lost.
+- `data.regenerate=false`: the conversations as they are (already the target's own answers, or the data to
+  imitate); the target's logits come from its pass in each training step.
+The corpus is keyed by a fingerprint of the source's files, the tokenizer and these settings, under
+$DRAFTSMITH_HOME/chat (`chat_path`), so `train` finds what `data` prepared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.train.chat import PROMPT_TOO_LONG, chat_batches, cut, last_turn_only, render, show, template_text
+from draftsmith.train.conversations import Conversation, Fields, is_heldout, read_conversations, source_files
+from draftsmith.train.diskfull import disk_full
+
+
+def fields_of(cfg) -> Fields:
+    f = cfg.data.get("fields") or {}
+    return Fields(**{k: v for k, v in dict(f).items() if v is not None})
+
+
+_reported: set[str] = set()  # sources whose skipped rows this process has said
+
+
+def split(cfg) -> tuple[list[Conversation], list[Conversation]]:
+    """(training, held-out) conversations of `data.source`, deterministic, disjoint."""
+    d = cfg.data
+    convs = read_conversations(d.source, fields_of(cfg), split="all", quiet=d.source in _reported)
+    _reported.add(d.source)
+    need = max(2, cfg.sampler.on_target_prompts, cfg.sampler.n_prompts)
+    held = [c for c in convs if is_heldout(c)]
+    if len(held) < need:  # a small file: the lowest hashes beyond the split, so the choice is still the hash's
+        rank = sorted((c for c in convs if not is_heldout(c)), key=_hash)
+        held += rank[: min(need - len(held), len(rank) // 2)]
+    ids = {id(c) for c in held}
+    train = [c for c in convs if id(c) not in ids]
+    if d.max_documents:
+        train = train[: d.max_documents]
+    return train, held
+
+
+def _hash(c: Conversation) -> bytes:
+    first = next(m["content"] for m in c.messages if m["role"] == "user")
+    return hashlib.sha256(" ".join(first.split()).encode()).digest()
+
+
+def chat_path(cfg, tok) -> Path:
+    """Where the regenerated conversations of these settings are kept (their fingerprint)."""
+    from draftsmith.sampling.machine import cache_home
+
+    d, s = cfg.data, cfg.sampler
+    h = hashlib.sha256()
+    for f in source_files(d.source):
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(json.dumps([d.source, dict(d.get("fields") or {}), d.enable_thinking, d.max_turns, d.turn_max_new_tokens,
+                         d.block_size, d.max_documents, s.temperature, s.top_p, cfg.seed, cfg.target.name,
+                         tok.chat_template]).encode())
+    return cache_home() / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}.jsonl"
+
+
+def prepare(cfg, tok, teacher, progress: bool = True) -> dict:
+    """The corpus record (as train/data.py `prepared_once` keeps it): the regenerated file, or the source as is."""
+    d = cfg.data
+    if not d.regenerate:
+        return {"source": d.source, "documents": d.max_documents, "rows": None, "format": "chat",
+                "enable_thinking": d.enable_thinking}
+    train, _ = split(cfg)
+    path = chat_path(cfg, tok)
+    g = cfg.data.generated
+    regenerate(teacher(), tok, train, path, enable_thinking=d.enable_thinking, max_turns=d.max_turns,
+               max_new_tokens=d.turn_max_new_tokens, batch_size=g.batch_size, temperature=cfg.sampler.temperature,
+               top_p=cfg.sampler.top_p, seed=cfg.seed, progress=progress,
+               max_seconds=None if g.max_minutes is None else 60 * g.max_minutes, max_prompt_tokens=d.block_size - 1)
+    from draftsmith.train.data import line_count, rows_digest
+
+    rows = line_count(path)
+    return {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows),
+            "format": "chat", "enable_thinking": d.enable_thinking}
+
+
+def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable_thinking=None, max_turns=None,
+               max_new_tokens: int = 256, batch_size: int = 8, temperature: float = 0.8, top_p: float = 1.0,
+               seed: int = 0, progress: bool = True, max_seconds: float | None = None,
+               max_prompt_tokens: int | None = None) -> Path:
+    """Each conversation's assistant turns answered again by the target, turn by turn, `batch_size` conversations
+    at a time (their k-th turns sampled together), into a JSONL of {"id", "messages", "regenerated"}; rows already in
+    the file are kept and the work continues after them. A conversation stops before a turn whose prompt holds
+    `max_prompt_tokens` or more (training cuts it away: ShareGPT's prompts run to thousands of tokens); one with no
+    turn regenerated is written with `regenerated` 0 and left out of training."""
+    from tqdm import tqdm
+
+    from draftsmith.sampling.prompts import pad_id
+    from draftsmith.train.corpus import _complete_rows
+    from draftsmith.train.generation import own_batches
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _complete_rows(out_path, 1, len(convs))
+    t0, new_tokens, written = time.perf_counter(), 0, [done]
+    full = disk_full("the regenerated conversations", out_path, then=lambda: (
+        f"free space or point DRAFTSMITH_HOME at a larger disk, and rerun: the {written[0]} conversations written "
+        "are kept and regeneration continues after them"))
+    with full, out_path.open("a") as f, tqdm(total=len(convs), initial=done, disable=not progress,
+                                             desc="conversations regenerated by the target (draftsmith)") as bar:
+        for lo in range(done, len(convs), batch_size):
+            group = [[dict(m) for m in c.messages] for c in convs[lo: lo + batch_size]]
+            answered, stopped = [0] * len(group), [False] * len(group)
+            turn = 0
+            while True:
+                # each conversation's next assistant turn to answer (its index), or None
+                at = [_next_assistant(m, answered[j], max_turns) for j, m in enumerate(group)]
+                texts = {j: template_text(tok, group[j][: k], True, enable_thinking) for j, k in enumerate(at)
+                         if k is not None and not stopped[j]}
+                for j, t in texts.items():  # a turn whose prompt fills the block would be cut away in training
+                    stopped[j] = not _fits(tok, t, max_prompt_tokens)
+                todo = [j for j in texts if not stopped[j]]
+                if not todo:
+                    break
+                rows = [tok(texts[j], add_special_tokens=False)["input_ids"] for j in todo]
+                for start, _, tokens, _, _ in own_batches(
+                        target, rows, len(rows), seed=seed + 7919 * turn, first_row=lo, max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, eos=tok.eos_token_id, pad=pad_id(tok)):
+                    for j, toks in zip(todo[start:], tokens):
+                        group[j][at[j]]["content"] = tok.decode(toks, skip_special_tokens=True)
+                        answered[j] += 1
+                        new_tokens += len(toks)
+                turn += 1
+            for j, msgs in enumerate(group):
+                keep = _through_answered(msgs, answered[j])
+                f.write(json.dumps({"id": convs[lo + j].id, "messages": keep, "regenerated": answered[j]}) + "\n")
+            f.flush()
+            written[0] = lo + len(group)
+            bar.update(len(group))
+            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.1f} tokens/s", refresh=False)
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds and written[0] < len(convs):
+                bar.write(f"regeneration: {max_seconds / 60:.2g} min spent (data.generated.max_minutes), stopping at "
+                          f"{written[0]} of {len(convs)} conversations; a rerun continues the cached file")
+                break
+    if new_tokens:
+        print(f"draftsmith: regeneration: {new_tokens} tokens in {time.perf_counter() - t0:.1f} s "
+              f"({new_tokens / max(1e-9, time.perf_counter() - t0):.1f} tokens/s, our loop)", file=sys.stderr)
+    return out_path
+
+
+def _next_assistant(messages: list[dict], answered: int, max_turns: int | None) -> int | None:
+    if max_turns is not None and answered >= max_turns:
+        return None
+    idx = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    return idx[answered] if answered < len(idx) else None
+
+
+def _fits(tok, text: str, max_prompt_tokens: int | None) -> bool:
+    return max_prompt_tokens is None or len(tok(text, add_special_tokens=False)["input_ids"]) < max_prompt_tokens
+
+
+def _through_answered(messages: list[dict], answered: int) -> list[dict]:
+    """The conversation up to and including its last regenerated assistant turn."""
+    idx = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    return messages[: idx[answered - 1] + 1] if answered else messages
+
+
+def regenerated(path: Path, rows: int, counts: Counter) -> list[Conversation]:
+    """The first `rows` conversations of a `regenerate` file that have a regenerated turn (the others counted)."""
+    out = []
+    with open(path) as f:
+        for _, line in zip(range(rows), f):
+            row = json.loads(line)
+            if row["regenerated"]:
+                out.append(Conversation(row["id"], row["messages"]))
+            else:
+                counts[PROMPT_TOO_LONG] += 1
+    return out
+
+
+def chat_blocks(cfg, tok, record: dict) -> dict:
+    """{"train": [batch], "val": [batch], "prompts": (ids, mask), "counts": Counter} of the prepared corpus: every
+    conversation rendered, cut to data.block_size, batched per sample (train/chat.py)."""
+    d, s = cfg.data, cfg.sampler
+    _, held = split(cfg)
+    counts = Counter()
+    if record.get("rows") is None:
+        train, _ = split(cfg)
+    else:
+        train = regenerated(Path(record["source"]), record["documents"], counts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def samples(convs):
+        out = []
+        for c in convs:
+            x = render(tok, c.messages, d.enable_thinking)
+            x = last_turn_only(x) if d.last_turn_only else x
+            x = cut(x, d.block_size, counts)
+            if x is not None:
+                out.append(x)
+        return out
+
+    train_s, val_s = samples(train), samples(held)
+    if len(train_s) < d.batch_size:
+        raise DraftsmithError(f"data.source={d.source}: {len(train_s)} conversations fit data.block_size="
+                              f"{d.block_size}, fewer than one batch of {d.batch_size}: add conversations or raise "
+                              "data.block_size")
+    for kind, n in sorted(counts.items()):
+        print(f"draftsmith: {n} conversation{'s' * (n != 1)}: {kind}", file=sys.stderr)
+    prompts = [template_text(tok, c.messages[: next(k for k, m in enumerate(c.messages) if m["role"] == "assistant")],
+                             True, d.enable_thinking) for c in held]
+    from draftsmith.train.prompts import prompt_tensor
+
+    return {"train": chat_batches(train_s, d.batch_size, pad, seed=cfg.seed),
+            "val": chat_batches(val_s, d.batch_size, pad, seed=cfg.seed)[: max(1, d.val_blocks // d.batch_size)],
+            "prompts": prompt_tensor(prompts, tok, s.prompt_tokens + 64), "counts": counts}
+
+
+def print_samples(tok, blocks: dict, n: int) -> None:
+    """`draftsmith data --show N`: N rendered training samples, the trained tokens between ⟦ and ⟧."""
+    shown = 0
+    for b in blocks["train"]:
+        for row in range(len(b["ids"])):
+            if shown == n:
+                return
+            print(f"--- sample {shown + 1} ({int(b['mask'][row].sum())} tokens, "
+                  f"{int(b['loss_mask'][row].sum())} trained) ---\n{show(tok, b, row)}")
+            shown += 1
+
+
+def token_counts(blocks: dict, vocab: int) -> torch.Tensor:
+    ids = torch.cat([b["ids"][b["mask"].bool()] for b in blocks["train"]])
+    return torch.bincount(ids, minlength=vocab)
