@@ -38,7 +38,7 @@ from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
-from draftsmith.train import schema
+from draftsmith.train import budget, schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.corpus import generate_corpus, load_blocks, pair_rows, prefill_teacher, sampled_rows
@@ -82,6 +82,7 @@ log = logging.getLogger("draftsmith")
 def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     schema.check(cfg)  # a key a `+` override invented, before any work
+    budget.check_recipe(cfg, budget.recipe_choice())  # a CPU recipe on GPUs, a GPU recipe with no target
     L.seed_everything(cfg.seed, verbose=False)
     if cfg.get("plan"):  # what a run would hold per rank, from the target's config alone; nothing is trained
         return _plan(cfg)
@@ -128,6 +129,12 @@ def train(cfg: DictConfig) -> dict:
     print(f"draftsmith: rank {launch.rank} trains on "
           f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
     train_dl, val_dl = loaders(blocks, cfg)
+    steps = budget.derived_steps(cfg, len(blocks["train"]), launch.world_size)
+    if steps is not None:  # a budget in epochs: the LR schedule and the progress need its steps
+        print(f"draftsmith: budget {budget.budget_line(cfg)}: {data.get('rows') or 'the corpus'} samples in "
+              f"{len(blocks['train'])} blocks of {cfg.data.block_size} tokens, {launch.world_size} rank(s) x "
+              f"micro-batch {cfg.data.batch_size}: {steps} steps", flush=True)
+        cfg.trainer.max_steps = steps
     on_policy = _on_policy(cfg, tok, blocks, file_prompts)
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.

@@ -130,6 +130,15 @@ class Launch:
 
 
 @dataclass
+class SizedFor:
+    """What a recipe is sized for (train/budget.py): its trainers' hardware, and the recipe named instead on the
+    other hardware."""
+
+    hardware: str = "any"  # any | cpu | gpu
+    instead: str | None = None
+
+
+@dataclass
 class Draftsmith:
     seed: int = 0
     out_dir: str = MISSING
@@ -142,6 +151,7 @@ class Draftsmith:
     sampler: Sampler = field(default_factory=Sampler)
     target: Target = field(default_factory=Target)
     launch: Launch = field(default_factory=Launch)
+    sized_for: SizedFor = field(default_factory=SizedFor)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: Data = field(default_factory=Data)
     loss: Loss = field(default_factory=Loss)
