@@ -310,28 +310,36 @@ def _plan(cfg) -> dict:
     from draftsmith.sampling.load import config_of
     from draftsmith.train.build import draft_config_for
     from draftsmith.train.losses import DIVERGENCES
-    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, plan, print_plan
+    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, costs, feature_head_config, fits_smaller, \
+        plan, print_costs, print_plan
 
     draft_cfg = _draft_config(cfg)
-    if draft_cfg.kind != "independent":
-        raise DraftsmithError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
-    target_config = config_of(cfg.target.name)
+    feature = draft_cfg.kind == "feature_head"
+    target_config = config_of(cfg.target.name)  # config.json alone: no weights are fetched or read
     devices = cfg.trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) else 1
     ranks = devices * int(cfg.trainer.get("num_nodes", 1) or 1)
     # the target's placement as training decides it (a target.ranks=first the run would refuse is refused here)
-    loss = cfg.loss
+    loss, g = cfg.loss, cfg.data.generated
     topk = loss.get("teacher_topk", 0)
     distill = loss.get("distill", True) and any(loss.weights.get(n, 0) for n in DIVERGENCES)
-    why = _training_calls_target(cfg, False, False, topk or None, bool(cfg.data.generated.enabled))
+    vllm_samples = _vllm_samples(cfg)
+    stored = feature and cfg.data.get("features", "stored") == "stored" and topk and not vllm_samples
+    why = _training_calls_target(cfg, feature, feature and not stored, topk or None, bool(g.enabled))
     first = _target_ranks(_target_ranks_setting(cfg), why) and ranks > 1
     precision = str(cfg.trainer.get("precision", "auto"))  # auto: what a GPU with bf16 picks (sampling/precision.py)
     teacher = "none" if not distill else "kept" if topk else "replica"
-    p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
+    shape = feature_head_config(target_config, draft_cfg.draft_vocab) if feature else \
+        draft_config_for(target_config, draft_cfg)
+    p = plan(target_config, shape, ranks, cfg.data.batch_size,
              cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
              compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
              columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2,
-             kept_topk=int(topk or 0))
+             kept_topk=int(topk or 0), passes=draft_cfg.unroll if feature else 1)
+    if feature:
+        p.notes.append("feature head: one decoder layer of the target's width and its pruned head, counted as "
+                       "trainable (an upper bound: the head is frozen by default), plus fc's 3h x h not counted; the "
+                       f"unrolled steps (draft.unroll={draft_cfg.unroll}) each keep their activations and logits")
     if cfg.get("plan_device_gib"):
         device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
     elif torch.cuda.is_available():
@@ -340,7 +348,21 @@ def _plan(cfg) -> dict:
     else:
         device_gib, source = DEFAULT_DEVICE_GIB, "an 80 GB H100 or A100; plan_device_gib=N for another GPU"
     print_plan(p, cfg.target.name, target_config, device_gib, source, _strategy_name(cfg.trainer))
-    return {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+    print(fits_smaller(p))
+    result = {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+    if g.enabled:  # the corpus' disk and the budget's hours: an estimate from the stated model (train/plan.py)
+        keep = topk if loss.get("distill", True) else 0
+        c = costs(p, samples=int(g.n_prompts) * int(g.samples_per_prompt),
+                  epochs=float(cfg.trainer.get("max_epochs") or 1), prompt_tokens=int(cfg.data.prompt_tokens),
+                  new_tokens=int(g.max_new_tokens), kept_topk=int(keep or 0),
+                  kept_features=3 * target_config.hidden_size if stored else 0,
+                  sampling_gpus=int(g.tensor_parallel_size) * int(g.data_parallel_size) if vllm_samples else 1,
+                  teacher_pass=teacher == "replica" or (feature and not stored),
+                  peak_tflops=float(cfg.plan_peak_tflops), mfu=float(cfg.plan_mfu),
+                  decode_mfu=float(cfg.plan_decode_mfu))
+        print_costs(c, cfg.data.get("cache_dir") or "$DRAFTSMITH_HOME (data.cache_dir)")
+        result["costs"] = c.__dict__
+    return result
 
 
 def _strategy_name(trainer) -> str | None:

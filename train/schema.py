@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.build import DraftConfig
+from draftsmith.train.plan import DECODE_MFU, PEAK_TFLOPS, TRAIN_MFU
 
 
 @dataclass
@@ -145,6 +146,9 @@ class Draftsmith:
     ckpt_path: str | None = None
     plan: bool = False
     plan_device_gib: float | None = None  # the GPU memory plan=true holds the totals against (train/plan.py)
+    plan_peak_tflops: float = PEAK_TFLOPS  # the stated model of plan=true's hours: a GPU's bf16 peak,
+    plan_mfu: float = TRAIN_MFU  # the share of it training reaches,
+    plan_decode_mfu: float = DECODE_MFU  # and the share batched decoding reaches (train/plan.py)
     optim: Optim = field(default_factory=Optim)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
