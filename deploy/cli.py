@@ -19,6 +19,8 @@ VERBS = {
               "draftsmith train recipe=shallow_wide"),
     "plan": ("draftsmith.train.draft", "what each rank would hold under each strategy, from the target's config alone",
              "draftsmith plan recipe=paper_ratio_70b trainer.devices=8"),
+    "recipes": ("draftsmith.deploy.recipes", "the recipes there are, one line each, or one recipe's file to read or copy",
+                "draftsmith recipes gpu_8b"),
     "generate": ("draftsmith.sampling.generate", "speculative sampling with a draft, a bundle or a run; prints "
                  "the text and its statistics", 'draftsmith generate --draft BUNDLE --prompt "def fib(n):"'),
     "export": ("draftsmith.deploy.export", "a bundle that transformers, vLLM, llama.cpp and our sampler load as is",
@@ -64,9 +66,13 @@ def main(argv=None) -> int:
 def _hydra(verb: str, overrides: list[str], summary: str, example: str) -> int:
     """`train` and `plan` hand their overrides to the training entry's Hydra app, as `python train/draft.py` does."""
     if any(a in ("-h", "--help") for a in overrides):
+        from draftsmith.deploy.recipes import overview
+
         print(f"usage: draftsmith {verb} [OVERRIDE ...]\n\n{summary}.\n\nexamples:\n  {example}\n  draftsmith {verb} "
-              "recipe=smoke    # a tiny end-to-end check\n\nOverrides are Hydra's (group=choice, key=value); the "
-              f"groups and recipes: docs/training.md. Hydra's own help: draftsmith {verb} --hydra-help")
+              f"recipe=smoke    # a tiny end-to-end check\n\n{overview()}\n\nOverrides are Hydra's (group=choice, "
+              f"key=value; docs/training.md). The whole config a command line composes, without running it: "
+              f"draftsmith {verb} recipe=NAME [OVERRIDE ...] --cfg job. Hydra's own help: draftsmith {verb} "
+              "--hydra-help")
         return 0
     if verb == "plan":
         overrides = [*overrides, "plan=true"]

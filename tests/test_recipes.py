@@ -114,3 +114,34 @@ def test_the_steps_of_a_budget_in_epochs_are_what_lightning_runs(blocks, ranks, 
     assert budget.derived_steps(cfg, blocks, ranks) == max(1, math.ceil(micro / accumulate) * epochs)
     cfg.trainer.max_steps = 100
     assert budget.derived_steps(cfg, blocks, ranks) is None  # a recipe's own max_steps stands
+
+
+def test_train_help_lists_every_recipe_group_and_how_to_print_a_config(capsys):
+    from draftsmith.deploy.cli import main
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for recipe in TABLE:
+        line = next((ln for ln in out.splitlines() if ln.split()[:1] == [recipe]), None)
+        assert line is not None and len(line.split()) > 3, recipe  # its name and its one line
+    for group in ("data", "draft", "loss", "target", "trainer", "logger", "callbacks", "sampler"):
+        choices = sorted(p.stem for p in (Path(RECIPES) / group).glob("*.yaml"))
+        assert f"  {group:<15}{', '.join(choices)}" in out
+    assert "--cfg job" in out
+
+
+def test_recipes_verb_lists_shows_and_copies_a_recipe(capsys, tmp_path):
+    from draftsmith.deploy.cli import main
+
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"\n  {name} " in listed for name in TABLE)
+    assert main(["recipes", "gpu_8b"]) == 0
+    assert capsys.readouterr().out.split("\n", 1)[1] == (Path(RECIPES) / "recipe" / "gpu_8b.yaml").read_text()
+    dest = tmp_path / "mine" / "recipe" / "big.yaml"
+    assert main(["recipes", "gpu_70b", "--copy", str(dest)]) == 0
+    assert dest.read_text() == (Path(RECIPES) / "recipe" / "gpu_70b.yaml").read_text()
+    assert f"draftsmith train --config-dir {tmp_path / 'mine'} recipe=big" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["recipes", "nope"])
+    assert e.value.code == 2
