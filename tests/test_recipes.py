@@ -145,3 +145,50 @@ def test_recipes_verb_lists_shows_and_copies_a_recipe(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["recipes", "nope"])
     assert e.value.code == 2
+
+
+def test_a_gpu_recipe_trains_only_on_a_prepared_corpus(tmp_path):
+    """No rank waits while rank 0 samples: a GPU recipe without its corpus is refused in one line naming the data
+    command, keyed by the corpus file train itself would read; once that file holds the samples, it trains."""
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.train.draft import _corpus_prepared, _generated_key
+    from draftsmith.train.launch import detect
+    from draftsmith.train.prompts import split_prompts
+
+    tok = load_tokenizer("tiny-random")
+    small = ["target.name=tiny-random", f"data.cache_dir={tmp_path / 'cache'}", "data.prompts=broad",
+             "data.generated.n_prompts=6", "data.generated.engine=draftsmith", "data.chat_template=false"]
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        gpu = compose("draft", overrides=["recipe=gpu_8b", *small])
+        cpu = compose("draft", overrides=["recipe=shallow_wide", *small])
+    files, _ = split_prompts(gpu, tok)
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ValueError, match=r"holds 0 of its 6 samples: prepare it first with `draftsmith data "
+                                         r"recipe=\S+") as e:
+        _corpus_prepared(gpu, tok, files, run, detect())
+    assert "\n" not in str(e.value)
+    _corpus_prepared(cpu, tok, files, run, detect())  # the CPU demo samples in the run: one command
+    prompts, name = _generated_key(gpu, tok, files)
+    corpus = tmp_path / "cache" / "generated" / f"{name}.jsonl"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text('{"text": "x"}\n' * 5)
+    with pytest.raises(ValueError, match="holds 5 of its 6 samples"):
+        _corpus_prepared(gpu, tok, files, run, detect())
+    corpus.write_text('{"text": "x"}\n' * 6)
+    _corpus_prepared(gpu, tok, files, run, detect())
+    corpus.unlink()
+    (run / "data.json").write_text("{}")  # a resumed run reads the corpus its record names
+    _corpus_prepared(gpu, tok, files, run, detect())
+
+
+def test_train_refuses_a_gpu_recipe_without_its_corpus_in_one_line(tmp_path):
+    from conftest import run_entry
+
+    res = run_entry("recipe=gpu_8b", "target.name=tiny-random", f"data.cache_dir={tmp_path}", "data.prompts=broad",
+                    "data.generated.engine=draftsmith", "data.chat_template=false", "trainer.devices=1",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert "draftsmith data recipe=gpu_8b target.name=tiny-random" in line and "data.prompts=broad" in line
+    assert not (tmp_path / "generated").exists()  # nothing was sampled

@@ -100,6 +100,7 @@ def train(cfg: DictConfig) -> dict:
     tok = load_tokenizer(cfg.target.name)
     check_data(cfg, tok)
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
+    _corpus_prepared(cfg, tok, file_prompts, out_dir, launch)  # a GPU recipe: no rank waits while rank 0 samples
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
     placement = _target_ranks_setting(cfg)
     weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
@@ -243,20 +244,9 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
     """`data=generated`: the target samples continuations of the prompts once; cached and resumable. `teacher()`
     returns the target, loading it on first use: vLLM needs it only for its check, after its own start."""
     g = cfg.data.generated
-    if file_prompts is None:
-        base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
-                           cfg.data.text_field, cfg.data.max_documents)["train"]
-        idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
-        prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
-    else:
-        prompts = file_prompts[: g.n_prompts]
+    prompts, name = _generated_key(cfg, tok, file_prompts)
     keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
-    s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable), and the
-    # prompts file's text itself: an edited file must not continue the samples of the old one
-    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
-                                        file_prompts]).encode())
-    name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
-            f"-{origin.hexdigest()[:8]}")
+    s = cfg.sampler
     vllm_kw = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
                    gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
     engine = g.get("engine", "draftsmith")
@@ -279,6 +269,56 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
                            keep_logits=keep, keep_features=_feature_layers(cfg, target_config) if keep else None,
                            engine=engine, target_name=cfg.target.name, check=check, dtype=dtype,
                            data_parallel_size=g.get("data_parallel_size", 1), **vllm_kw)
+
+
+def _generated_key(cfg, tok, file_prompts) -> tuple[list[str], str]:
+    """The prompts a generated corpus continues, and its file's name (vLLM's samples add `-vllm`): it holds every
+    setting but the prompt count, which may grow (resumable), and the prompts file's text itself: an edited file must
+    not continue the samples of the old one."""
+    g, s = cfg.data.generated, cfg.sampler
+    if file_prompts is None:
+        base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
+                           cfg.data.text_field, cfg.data.max_documents)["train"]
+        idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
+        prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
+    else:
+        prompts = file_prompts[: g.n_prompts]
+    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
+                                        file_prompts]).encode())
+    return prompts, (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}"
+                     f"-seed{cfg.seed}-{origin.hexdigest()[:8]}")
+
+
+def _corpus_prepared(cfg, tok, file_prompts, out_dir: Path, launch: Launch) -> None:
+    """A GPU recipe trains on a corpus prepared before (`draftsmith data`, on every GPU of the node), so that no
+    rank waits while rank 0 samples: refused in one line naming that command while its file is short of the
+    samples the recipe asks for. A resumed run reads the corpus its data.json names; a CPU recipe samples in the
+    run (the one-command demo)."""
+    g = cfg.data.generated
+    if cfg.sized_for.hardware != "gpu" or not g.enabled or (out_dir / "data.json").is_file():
+        return
+    recipe = budget.recipe_choice() or "NAME"
+    if launch.nodes > 1 and not cfg.data.get("cache_dir"):
+        raise DraftsmithError(f"{launch.nodes} nodes train on a corpus prepared before: prepare it on storage every "
+                              f"node reads with `draftsmith data recipe={recipe} data.cache_dir=SHARED_DIR ...` and "
+                              "train with the same data.cache_dir")
+    prompts, name = _generated_key(cfg, tok, file_prompts)
+    want = len(prompts) * int(g.samples_per_prompt)
+    home = _corpus_dir(cfg, out_dir, launch)
+    engines = ["-vllm"] if g.get("engine") == "vllm" else [""] if g.get("engine") == "draftsmith" else ["", "-vllm"]
+    paths = [home / "generated" / f"{name}{e}.jsonl" for e in engines]
+    have = max(line_count(p) if p.is_file() else 0 for p in paths)
+    if have < want:
+        args = " ".join(a for a in _task_overrides() if not a.startswith(("recipe=", "hydra.")))
+        raise DraftsmithError(f"recipe={recipe} trains on a prepared corpus, and {paths[-1]} holds {have} of its "
+                              f"{want} samples: prepare it first with `draftsmith data recipe={recipe}"
+                              f"{' ' + args if args else ''}` (resumable), then train")
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def _callbacks(cfg) -> list:
