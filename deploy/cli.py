@@ -22,7 +22,7 @@ VERBS = {
     "recipes": ("draftsmith.deploy.recipes", "the recipes there are, one line each, or one recipe's file to read or copy",
                 "draftsmith recipes gpu_8b"),
     "generate": ("draftsmith.sampling.generate", "speculative sampling with a draft, a bundle or a run; prints "
-                 "the text and its statistics", 'draftsmith generate --draft BUNDLE --prompt "def fib(n):"'),
+                 "the text and its statistics", 'draftsmith generate BUNDLE --prompt "def fib(n):"'),
     "export": ("draftsmith.deploy.export", "a bundle that transformers, vLLM, llama.cpp and our sampler load as is",
                "draftsmith export outputs/DATE/TIME --out bundles/my-draft"),
     "deploy-check": ("draftsmith.deploy.conformance", "is an engine's speculative decoding of a bundle lossless?",
@@ -30,7 +30,7 @@ VERBS = {
     "engines": ("draftsmith.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
                 "draftsmith engines install vllm"),
     "bench": ("draftsmith.deploy.bench", "benchmarks: paper, sampler, corpus, memory, store, train-memory, ablation",
-              "draftsmith bench paper --draft bundles/my-draft"),
+              "draftsmith bench paper bundles/my-draft"),
 }
 
 
@@ -92,7 +92,7 @@ def _bench(argv: list[str]) -> int:
         print("usage: draftsmith bench NAME [options]\n\nbenchmarks:")
         for name, (_, summary) in BENCHES.items():
             print(f"  {name:<14}{summary}")
-        print("\nexample:\n  draftsmith bench paper --draft bundles/my-draft\n\n`draftsmith bench NAME --help` for its "
+        print("\nexample:\n  draftsmith bench paper bundles/my-draft\n\n`draftsmith bench NAME --help` for its "
               "options.")
         return 0
     if argv[0] not in BENCHES:
