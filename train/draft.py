@@ -2,7 +2,7 @@
 
     python train/draft.py recipe=shallow_wide                 # demo: SmolLM2-135M, stdlib corpus, ~40 min on 2 cores
     python train/draft.py recipe=smoke                        # tiny end-to-end check, < 2 min
-    python train/draft.py recipe=shallow_wide target.name=DIR data.source=corpus.jsonl trainer=gpu
+    torchrun --nproc-per-node 8 -m draftsmith.train.draft recipe=gpu_8b target.name=DIR data.prompts=PROMPTS.jsonl
 """
 
 from __future__ import annotations
