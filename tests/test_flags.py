@@ -87,3 +87,30 @@ def test_no_verb_falls_back_to_the_demo_target(smoke_run, capsys):
         assert import_module(module).main(argv, prog="x") == 2, what
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: no target") and "--target" in err and "\n" not in err, (what, err)
+
+
+def test_every_verbs_help_examples_parse(monkeypatch):
+    """Each example a verb's --help shows (its docstring's) is a command line its parser accepts, and `train` and
+    `plan`'s compose: a renamed flag cannot linger in an example."""
+    import shlex
+
+    from draftsmith.deploy.cli import VERBS as TOP
+    from draftsmith.sampling.cli import examples
+    from draftsmith.train import schema
+    from draftsmith.train.draft import RECIPES
+
+    checked = 0
+    for verb, module in VERBS.items():
+        parser = parser_of(module, monkeypatch)
+        lines = [ln.strip() for ln in examples(import_module(module).__doc__).splitlines()[1:]]
+        lines += [TOP[verb][2]] if verb in TOP else []
+        for line in lines:
+            words = shlex.split(line.split("  #")[0], comments=True)
+            assert words[: len(verb.split()) + 1] == ["draftsmith", *verb.split()], (verb, line)
+            parser.parse_args(words[len(verb.split()) + 1:])  # exits 2 on an unknown flag or a bad value
+            checked += 1
+    for verb in ("train", "plan"):
+        overrides = shlex.split(TOP[verb][2])[2:]
+        schema.preflight(overrides, RECIPES)
+        checked += 1
+    assert checked >= 25
