@@ -21,8 +21,10 @@ VERBS = {
              "N samples with the trained tokens marked", "draftsmith data recipe=smoke data=chat --show 3"),
     "plan": ("draftsmith.train.draft", "what each rank would hold under each strategy, from the target's config alone",
              "draftsmith plan recipe=paper_ratio_70b trainer.devices=8"),
+    "recipes": ("draftsmith.deploy.recipes", "the recipes there are, one line each, or one recipe's file to read or copy",
+                "draftsmith recipes gpu_8b"),
     "generate": ("draftsmith.sampling.generate", "speculative sampling with a draft, a bundle or a run; prints "
-                 "the text and its statistics", 'draftsmith generate --draft BUNDLE --prompt "def fib(n):"'),
+                 "the text and its statistics", 'draftsmith generate BUNDLE --prompt "def fib(n):"'),
     "export": ("draftsmith.deploy.export", "a bundle that transformers, vLLM, llama.cpp and our sampler load as is",
                "draftsmith export outputs/DATE/TIME --out bundles/my-draft"),
     "deploy-check": ("draftsmith.deploy.conformance", "is an engine's speculative decoding of a bundle lossless?",
@@ -30,7 +32,7 @@ VERBS = {
     "engines": ("draftsmith.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
                 "draftsmith engines install vllm"),
     "bench": ("draftsmith.deploy.bench", "benchmarks: paper, sampler, corpus, memory, store, train-memory, ablation",
-              "draftsmith bench paper --draft bundles/my-draft"),
+              "draftsmith bench paper bundles/my-draft"),
 }
 
 
@@ -66,9 +68,13 @@ def main(argv=None) -> int:
 def _hydra(verb: str, overrides: list[str], summary: str, example: str) -> int:
     """`train` and `plan` hand their overrides to the training entry's Hydra app, as `python train/draft.py` does."""
     if any(a in ("-h", "--help") for a in overrides):
+        from draftsmith.deploy.recipes import overview
+
         print(f"usage: draftsmith {verb} [OVERRIDE ...]\n\n{summary}.\n\nexamples:\n  {example}\n  draftsmith {verb} "
-              "recipe=smoke    # a tiny end-to-end check\n\nOverrides are Hydra's (group=choice, key=value); the "
-              f"groups and recipes: docs/training.md. Hydra's own help: draftsmith {verb} --hydra-help")
+              f"recipe=smoke    # a tiny end-to-end check\n\n{overview()}\n\nOverrides are Hydra's (group=choice, "
+              f"key=value; docs/training.md). The whole config a command line composes, without running it: "
+              f"draftsmith {verb} recipe=NAME [OVERRIDE ...] --cfg job. Hydra's own help: draftsmith {verb} "
+              "--hydra-help")
         return 0
     if verb == "plan":
         overrides = [*overrides, "plan=true"]
@@ -94,7 +100,7 @@ def _bench(argv: list[str]) -> int:
         print("usage: draftsmith bench NAME [options]\n\nbenchmarks:")
         for name, (_, summary) in BENCHES.items():
             print(f"  {name:<14}{summary}")
-        print("\nexample:\n  draftsmith bench paper --draft bundles/my-draft\n\n`draftsmith bench NAME --help` for its "
+        print("\nexample:\n  draftsmith bench paper bundles/my-draft\n\n`draftsmith bench NAME --help` for its "
               "options.")
         return 0
     if argv[0] not in BENCHES:

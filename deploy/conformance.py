@@ -36,7 +36,7 @@ from draftsmith.sampling.cli import examples
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
-from draftsmith.sampling.load import load_model
+from draftsmith.sampling.load import DTYPE_CHOICES, load_model
 from draftsmith.sampling.machine import machine
 from draftsmith.sampling.probs import SamplingConfig, sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
@@ -290,17 +290,17 @@ def main(argv=None, prog=None) -> int:
                     help="TEMPERATURE[:TOP_P] settings to judge (default: the bundle's own)")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy setting")
     ap.add_argument("--draws", type=int, default=2000, help="samples of the fixed prompt for the chi-square")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts for greedy and the long samples")
+    ap.add_argument("--n-prompts", type=int, default=4, help="prompts for greedy and the long samples")
     ap.add_argument("--samples", type=int, default=4, help="long samples per prompt (log-probability test)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--no-write", action="store_true", help="do not record the results in the bundle's card")
-    ap.add_argument("--dtype", choices=["fp32", "bundle"], default="fp32",
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32",
                     help="in-process engines' precision: fp32 (default: in bf16 the target's probabilities move with "
-                         "the shape of the pass, so exactness cannot be judged) or the bundle's own")
+                         "the shape of the pass, so exactness cannot be judged), auto for the bundle's own")
     args = ap.parse_args(argv)
     try:
         bundle = open_bundle(_bundle_of(args.bundle))
-        engine = open_engine(args.engine, bundle, args.dtype)
+        engine = open_engine(args.engine, bundle, "bundle" if args.dtype == "auto" else args.dtype)
     except ValueError as e:  # a DraftsmithError (a bad bundle, a missing engine), or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -308,7 +308,7 @@ def main(argv=None, prog=None) -> int:
     settings = ([] if args.no_greedy else [Setting(0.0)]) + (
         args.sampling or [Setting(s.get("temperature", 1.0), s.get("top_p", 1.0))])
     try:
-        report = check(bundle, engine, settings, draws=args.draws, n_prompts=args.prompts, samples=args.samples,
+        report = check(bundle, engine, settings, draws=args.draws, n_prompts=args.n_prompts, samples=args.samples,
                        max_new_tokens=args.max_new_tokens)
     except DraftsmithError as e:  # the engine ran and failed (its own words), or was stopped
         print(f"error: {e}", file=sys.stderr)

@@ -137,7 +137,7 @@ vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_conf
 ```
 draftsmith's sampler:
 ```bash
-draftsmith generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+draftsmith generate BUNDLE/draft --target {target_ref} -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 """
@@ -156,7 +156,7 @@ EAGLE path (its assisted generation takes an independent draft), so there is no 
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-draftsmith generate --target {target_ref} --draft BUNDLE/draft -k {k} \\
+draftsmith generate BUNDLE/draft --target {target_ref} -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see

@@ -65,3 +65,39 @@ def _run_config(run: Path) -> dict:
         return yaml.safe_load(f.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
+
+
+# One meaning per flag across the verbs (issue 52): the artifact is the positional (`--draft` kept as an alias),
+# `-k` is K, `--top-k` the top-k of a distribution, `--prompts` names prompt sets or files, `--n-prompts` counts them,
+# and `--dtype` takes DTYPE_CHOICES (sampling/load.py) everywhere.
+ARTIFACT_HELP = "a bundle (draftsmith export), a run directory or a draft checkpoint"
+
+
+def add_artifact(ap, help: str = ARTIFACT_HELP, many: bool = False) -> None:
+    """The artifact a verb reads, as its positional; `--draft` names it too (the older spelling)."""
+    ap.add_argument("artifact", nargs="*" if many else "?", metavar="ARTIFACT", help=help)
+    ap.add_argument("--draft", dest="draft_alias", nargs="+" if many else None, metavar="ARTIFACT",
+                    help="the same, as an option (an alias of the positional)")
+
+
+def artifact_of(args, required: bool = False):
+    """The artifact(s) the command line gave, by position or by --draft, never both."""
+    given, alias = args.artifact, args.draft_alias
+    if given and alias:
+        raise DraftsmithError("give the artifact once: as the positional or with --draft, not both")
+    value = given or alias or None
+    if required and not value:
+        raise DraftsmithError(f"no artifact: pass {ARTIFACT_HELP}, as the first argument")
+    return value
+
+
+def target_of(given: str | None, source: Draft | None) -> str:
+    """The target: the command line's, else the one the artifact names (a bundle's, a run's). Never the demo target
+    by default: a draft runs against the target it was trained for, and only its user knows which that is."""
+    if given:
+        return given
+    if source is not None and source.target:
+        return source.target
+    what = f"{source.path} names none" if source is not None else "no bundle or run names one"
+    raise DraftsmithError(f"no target: {what}; pass --target NAME (a hub id, a checkpoint directory, a .gguf, or "
+                          "smollm2-135m for the demo)")

@@ -1,8 +1,8 @@
 """Generate with speculative sampling and print the text and its statistics.
 
-    draftsmith generate --draft bundles/my-draft --prompt "def fib(n):"    # the bundle's target, K and settings
-    draftsmith generate --draft outputs/DATE/TIME --prompt "def fib(n):"   # a run's best draft and its target
-    draftsmith generate --target smollm2-135m --draft DIR --prompt "def fib(n):" -k 2 --temperature 0.8
+    draftsmith generate bundles/my-draft --prompt "def fib(n):"    # the bundle's target, K and settings
+    draftsmith generate outputs/DATE/TIME --prompt "def fib(n):"   # a run's best draft and its target
+    draftsmith generate DIR --target smollm2-135m --prompt "def fib(n):" -k 2 --temperature 0.8
     draftsmith generate --target smollm2-135m --prompt "Hello"             # no draft: plain autoregressive
 
 A bundle brings its target, the K it recommends and the temperature / top-p it was measured at; a run directory
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from draftsmith.sampling.cli import Draft, examples, locate_draft
+from draftsmith.sampling.cli import Draft, add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
@@ -30,10 +30,10 @@ from draftsmith.sampling.speculative import autoregressive_generate, speculative
 def parse_args(argv=None, prog=None):
     ap = argparse.ArgumentParser(prog=prog or "draftsmith generate", description=__doc__.splitlines()[0],
                                  epilog=examples(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help=f"alias, hub id, checkpoint dir or .gguf (default: the draft's bundle's or "
-                    f"run's target, else {DEFAULT_TARGET})")
-    ap.add_argument("--draft", help="a bundle, a run directory or a draft checkpoint (same tokenizer as the "
-                    "target); omit for plain sampling")
+    add_artifact(ap, "a bundle, a run directory or a draft checkpoint (same tokenizer as the target); omit for "
+                 "plain sampling")
+    ap.add_argument("--target", help="alias, hub id, checkpoint dir or .gguf (default: the bundle's or run's target; "
+                    "required otherwise)")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     ap.add_argument("-k", help="draft tokens per loop, or 'auto': after each drafted token, one more if the draft's "
@@ -70,16 +70,16 @@ def _k(value: str):
     return int(value)
 
 
-DEFAULT_TARGET = "smollm2-135m"
 DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 0}
 
 
 def settle(args) -> Draft | None:
     """Fill what the command line left open from what the draft's source says (a bundle: target, K, settings; a
     run: target, settings), else the defaults."""
+    args.draft = artifact_of(args)
     draft = locate_draft(args.draft) if args.draft else None
     said = draft.sampling if draft else {}
-    args.target = args.target or (draft and draft.target) or DEFAULT_TARGET
+    args.target = target_of(args.target, draft)
     args.k = args.k or str((draft and draft.k) or 4)
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:

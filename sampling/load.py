@@ -193,12 +193,28 @@ def config_of(name: str):
     from transformers import AutoConfig
 
     if not name.startswith(RANDOM):
-        return AutoConfig.from_pretrained(resolve(name))
+        return AutoConfig.from_pretrained(_config_dir(name))
     shape, layers = _random_spec(name)
     config = AutoConfig.from_pretrained(resolve(shape))
     if layers:
         config.num_hidden_layers = layers
     return config
+
+
+def _config_dir(name: str) -> Path:
+    """A directory holding `name`'s config.json: a hub id fetches that one file (not the weights: 140 GB for a 70B);
+    a local directory needs nothing else."""
+    path = Path(name).expanduser()
+    if name in ALIASES or path.suffix == ".gguf" or path.exists() or name.startswith((".", "/", "~")) or \
+            name.count("/") != 1:
+        return resolve(name)  # aliases, GGUF files, directories (refused in one line without a config.json)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(name, "config.json")).parent
+    except Exception as e:
+        raise DraftsmithError(f"could not fetch {name!r}'s config.json from the Hugging Face hub "
+                              f"({type(e).__name__}); pass a local directory holding its config.json instead") from None
 
 
 def _random_spec(name: str) -> tuple[str, int | None]:

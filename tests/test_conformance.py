@@ -76,7 +76,7 @@ def test_cli_records_the_verdict_in_the_card_and_fails_with_status_3(sharp_bundl
     b = tmp_path / "b"
     shutil.copytree(sharp_bundle, b)
     monkeypatch.setattr(rejection, "residual", lambda p, q: q)
-    rc = main([str(b), "--engine", "draftsmith", "--no-greedy", "--draws", "4000", "--prompts", "1",
+    rc = main([str(b), "--engine", "draftsmith", "--no-greedy", "--draws", "4000", "--n-prompts", "1",
                "--samples", "2", "--max-new-tokens", "8"])
     assert rc == 3 and "not lossless at: T0.8 top-p 0.95" in capsys.readouterr().err
     spec = json.loads((b / "speculative.json").read_text())

@@ -95,7 +95,7 @@ def test_deploy_check_judges_the_pruned_smoke_bundle_in_transformers(bundle, tmp
     _, out = bundle
     b = tmp_path / "b"
     shutil.copytree(out, b)
-    rc = main([str(b), "--engine", "transformers", "--draws", "300", "--prompts", "2", "--samples", "2",
+    rc = main([str(b), "--engine", "transformers", "--draws", "300", "--n-prompts", "2", "--samples", "2",
                "--max-new-tokens", "8"])
     printed = capsys.readouterr()
     assert rc == 0, printed.err[-2000:]

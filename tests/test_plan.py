@@ -294,3 +294,75 @@ def test_the_70b_plan_rows_follow_the_strategies_formulas():
     assert 15 * GIB < z3["activations"] < 22 * GIB  # no 5 a s^2 b term (the old plan: 52.75 GiB)
     assert 7 * GIB < z3["logits"] < 9 * GIB  # 4 x 2047 positions x 128,256 columns x (2 + 4 + 2) bytes
     assert z3["target"] == 2 * p.target_params / 8
+
+
+# -- from config.json alone: disk and hours (issue 52) ----------------------------------------------------------------
+
+def test_a_hub_id_fetches_its_config_json_alone(monkeypatch, tmp_path):
+    """`plan` of a hub id downloads config.json, never the weights (140 GB for a 70B)."""
+    import shutil
+
+    import huggingface_hub
+
+    from draftsmith.sampling.load import config_of
+    from draftsmith.train.draft import RECIPES
+
+    asked = []
+
+    def one_file(repo, filename, **kw):
+        asked.append((repo, filename))
+        shutil.copy(f"{RECIPES}/shapes/llama3-8b/config.json", tmp_path / "config.json")
+        return str(tmp_path / "config.json")
+
+    def everything(*a, **kw):
+        raise AssertionError("snapshot_download fetches the weights too")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", one_file)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", everything)
+    assert config_of("org/some-8b").num_hidden_layers == 32
+    assert asked == [("org/some-8b", "config.json")]
+
+
+def test_the_budget_costs_follow_the_stated_model():
+    """Disk: the kept store's fp16 value and int32 id a kept entry a sampled token, fp16 features a position; hours:
+    6 x draft parameters a trained token (x the passes), 2 x the target's a decoded token, at the stated shares of
+    the stated peak."""
+    from draftsmith.train.plan import costs
+
+    tc = tiny_target_config()
+    p = plan(tc, draft_config_for(tc, DraftConfig()), ranks=4, batch=2, block=32, teacher="kept", kept_topk=8)
+    c = costs(p, samples=1000, epochs=2, prompt_tokens=8, new_tokens=16, kept_topk=8, kept_features=30,
+              sampling_gpus=2, peak_tflops=100.0, mfu=0.5, decode_mfu=0.25)
+    assert c.store_bytes == 1000 * (16 * 8 * 6 + 24 * 30 * 2)
+    assert c.steps == 125 * 2  # 1000 samples over 4 ranks x micro-batch 2, twice
+    rate = 0.25 * 100e12 / (2 * p.target_params)
+    assert c.decode_tokens_per_s_per_gpu == pytest.approx(rate)
+    assert c.sampling_hours == pytest.approx(1000 * 16 / (2 * rate) / 3600)
+    assert c.train_hours == pytest.approx(1000 * 2 * 24 * 6 * p.draft_params / (4 * 0.5 * 100e12) / 3600)
+    p2 = plan(tc, draft_config_for(tc, DraftConfig()), ranks=4, batch=2, block=32, teacher="kept", passes=3)
+    assert p2.activations("fsdp") == 3 * p.activations("fsdp")  # a feature head's unrolled steps each keep theirs
+    with_teacher = costs(p, samples=1000, epochs=2, prompt_tokens=8, new_tokens=16, kept_topk=8, kept_features=0,
+                         sampling_gpus=2, teacher_pass=True, peak_tflops=100.0, mfu=0.5)
+    assert with_teacher.train_flops == c.train_flops + 1000 * 2 * 24 * 2 * p.target_params
+
+
+def test_plan_of_a_gpu_recipe_from_a_folder_holding_only_config_json(tmp_path):
+    """Both draft kinds, from a folder with nothing but config.json: memory per rank (and on 40-48 GB GPUs), the
+    corpus' disk and the hours, labelled an estimate."""
+    import shutil
+
+    from draftsmith.train.draft import RECIPES
+
+    only = tmp_path / "target"
+    only.mkdir()
+    shutil.copy(f"{RECIPES}/shapes/llama3-8b/config.json", only / "config.json")
+    for recipe, draft in (("gpu_8b", "draft: 3 layers, d 4096"), ("gpu_8b_feature", "draft: 1 layers, d 4096")):
+        res = run_entry(f"recipe={recipe}", f"target.name={only}", "plan=true", "trainer.devices=8",
+                        f"hydra.run.dir={tmp_path / recipe}")
+        assert res.returncode == 0, res.stderr[-2000:]
+        out = res.stdout
+        assert draft in out and "8 rank(s)" in out and "on smaller GPUs: 40 GiB:" in out
+        assert "budget: 500000 samples x 3 epochs = 23439 steps" in out  # ceil(500000 / (8 x 8)) x 3
+        assert "disk: corpus" in out and "kept store 549.3 GiB" in out  # 500k x 1536 tokens x 128 x 6 bytes
+        assert "estimate, not a measurement" in out and "sampling" in out and "training" in out
+    assert list(only.iterdir()) == [only / "config.json"]  # nothing else was needed or written

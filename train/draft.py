@@ -2,7 +2,7 @@
 
     python train/draft.py recipe=shallow_wide                 # demo: SmolLM2-135M, stdlib corpus, ~40 min on 2 cores
     python train/draft.py recipe=smoke                        # tiny end-to-end check, < 2 min
-    python train/draft.py recipe=shallow_wide target.name=DIR data.source=corpus.jsonl trainer=gpu
+    torchrun --nproc-per-node 8 -m draftsmith.train.draft recipe=gpu_8b target.name=DIR data.prompts=PROMPTS.jsonl
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
-from draftsmith.train import chatcorpus, schema
+from draftsmith.train import budget, chatcorpus, schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.chat import padding_share
@@ -84,6 +84,7 @@ log = logging.getLogger("draftsmith")
 def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     schema.check(cfg)  # a key a `+` override invented, before any work
+    budget.check_recipe(cfg, budget.recipe_choice())  # a CPU recipe on GPUs, a GPU recipe with no target
     L.seed_everything(cfg.seed, verbose=False)
     if cfg.get("plan"):  # what a run would hold per rank, from the target's config alone; nothing is trained
         return _plan(cfg)
@@ -103,7 +104,8 @@ def train(cfg: DictConfig) -> dict:
     file_prompts, val_prompts = split_prompts(cfg, tok)  # a bad prompts file fails here, before any work
     draft_cfg = _draft_config(cfg)  # a bad draft setting too, not after sampling
     if cfg.get("prepare_only"):  # `draftsmith data`: the corpus, then stop
-        return _prepare_only(cfg, tok)
+        return _prepare_only(cfg, tok, file_prompts, out_dir, launch)
+    _corpus_prepared(cfg, tok, file_prompts, out_dir, launch)  # a GPU recipe: no rank waits while rank 0 samples
     placement = _target_ranks_setting(cfg)
     weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
     # vLLM samples the corpus before the target loads (data.generated.engine=vllm): on a GPU it takes its share of
@@ -143,6 +145,15 @@ def train(cfg: DictConfig) -> dict:
         train_dl, val_dl = loaders(blocks, cfg)
         on_policy = _on_policy(cfg, tok, blocks, file_prompts)
         token_counts = torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size)
+    # a chat item is a whole batch already (train/data.py chat_loaders): counted in micro-batches' rows like a block
+    items = len(blocks["train"]) * (int(cfg.data.batch_size) if chat else 1)
+    steps = budget.derived_steps(cfg, items, launch.world_size)
+    if steps is not None:  # a budget in epochs: the LR schedule and the progress need its steps
+        print(f"draftsmith: budget {budget.budget_line(cfg)}: {data.get('rows') or 'the corpus'} samples in "
+              f"{len(blocks['train'])} {'batches of whole conversations' if chat else 'blocks'} of "
+              f"{cfg.data.block_size} tokens, {launch.world_size} rank(s) x micro-batch {cfg.data.batch_size}: "
+              f"{steps} steps", flush=True)
+        cfg.trainer.max_steps = steps
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
     if draft_cfg.kind == "feature_head":  # built from a pass of the target: every rank holds it
@@ -253,20 +264,9 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
     """`data=generated`: the target samples continuations of the prompts once; cached and resumable. `teacher()`
     returns the target, loading it on first use: vLLM needs it only for its check, after its own start."""
     g = cfg.data.generated
-    if file_prompts is None:
-        base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
-                           cfg.data.text_field, cfg.data.max_documents)["train"]
-        idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
-        prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
-    else:
-        prompts = file_prompts[: g.n_prompts]
+    prompts, name = _generated_key(cfg, tok, file_prompts)
     keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
-    s = cfg.sampler  # the file name holds every setting but the prompt count, which may grow (resumable), and the
-    # prompts file's text itself: an edited file must not continue the samples of the old one
-    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
-                                        file_prompts]).encode())
-    name = (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}-seed{cfg.seed}"
-            f"-{origin.hexdigest()[:8]}")
+    s = cfg.sampler
     vllm_kw = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
                    gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
     engine = g.get("engine", "draftsmith")
@@ -291,14 +291,80 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
                            data_parallel_size=g.get("data_parallel_size", 1), **vllm_kw)
 
 
-def _prepare_only(cfg, tok) -> dict:
-    """`draftsmith data`: prepare the chat corpus where `train` will look for it (resumable: a rerun continues), and
-    print `data.show` rendered samples with their trained tokens marked."""
-    if cfg.data.get("format") != "chat":
-        raise DraftsmithError("draftsmith data prepares conversations: add data=chat (data.source=FILE or sharegpt)")
+def _generated_key(cfg, tok, file_prompts) -> tuple[list[str], str]:
+    """The prompts a generated corpus continues, and its file's name (vLLM's samples add `-vllm`): it holds every
+    setting but the prompt count, which may grow (resumable), and the prompts file's text itself: an edited file must
+    not continue the samples of the old one."""
+    g, s = cfg.data.generated, cfg.sampler
+    if file_prompts is None:
+        base = load_blocks(cfg.data.source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed,
+                           cfg.data.text_field, cfg.data.max_documents)["train"]
+        idx = torch.linspace(0, len(base) - 1, min(g.n_prompts, len(base))).long()
+        prompts = prompt_texts(cfg, tok, base[idx, : cfg.data.prompt_tokens])
+    else:
+        prompts = file_prompts[: g.n_prompts]
+    origin = hashlib.sha256(json.dumps([str(cfg.data.prompts), cfg.data.source, cfg.data.chat_template,
+                                        file_prompts]).encode())
+    return prompts, (f"{cfg.target.name.replace('/', '_')}-T{s.temperature}-p{s.top_p}-n{g.max_new_tokens}"
+                     f"-seed{cfg.seed}-{origin.hexdigest()[:8]}")
+
+
+def _corpus_prepared(cfg, tok, file_prompts, out_dir: Path, launch: Launch) -> None:
+    """A GPU recipe trains on a corpus prepared before (`draftsmith data`, on every GPU of the node), so that no
+    rank waits while rank 0 samples: refused in one line naming that command while its file is short of the
+    samples the recipe asks for. A resumed run reads the corpus its data.json names; a CPU recipe samples in the
+    run (the one-command demo)."""
+    g = cfg.data.generated
+    if cfg.sized_for.hardware != "gpu" or not g.enabled or (out_dir / "data.json").is_file():
+        return
+    recipe = budget.recipe_choice() or "NAME"
+    if launch.nodes > 1 and not cfg.data.get("cache_dir"):
+        raise DraftsmithError(f"{launch.nodes} nodes train on a corpus prepared before: prepare it on storage every "
+                              f"node reads with `draftsmith data recipe={recipe} data.cache_dir=SHARED_DIR ...` and "
+                              "train with the same data.cache_dir")
+    prompts, name = _generated_key(cfg, tok, file_prompts)
+    want = len(prompts) * int(g.samples_per_prompt)
+    home = _corpus_dir(cfg, out_dir, launch)
+    engines = ["-vllm"] if g.get("engine") == "vllm" else [""] if g.get("engine") == "draftsmith" else ["", "-vllm"]
+    paths = [home / "generated" / f"{name}{e}.jsonl" for e in engines]
+    have = max(line_count(p) if p.is_file() else 0 for p in paths)
+    if have < want:
+        args = " ".join(a for a in _task_overrides() if not a.startswith(("recipe=", "hydra.")))
+        raise DraftsmithError(f"recipe={recipe} trains on a prepared corpus, and {paths[-1]} holds {have} of its "
+                              f"{want} samples: prepare it first with `draftsmith data recipe={recipe}"
+                              f"{' ' + args if args else ''}` (resumable), then train")
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _prepare_only(cfg, tok, file_prompts, out_dir: Path, launch: Launch) -> dict:
+    """`draftsmith data`: prepare the corpus where `train` will look for it (resumable: a rerun continues), then stop.
+    Conversations (data=chat) also print `data.show` rendered samples with their trained tokens marked; continuations
+    the target samples (data=generated, a GPU recipe's corpus) go to the file `_corpus_prepared` checks."""
     target = []
-    record = chatcorpus.prepare(cfg, tok, lambda: target[0] if target else target.append(_load_target(cfg)) or
-                                target[0])
+
+    def teacher():  # the target, loaded on first use (vLLM samples without it)
+        if not target:
+            target.append(_load_target(cfg))
+        return target[0]
+
+    if cfg.data.get("format") != "chat":
+        if not cfg.data.generated.enabled:
+            raise DraftsmithError("draftsmith data prepares what the target writes: add data=chat (conversations, "
+                                  "data.source=FILE or sharegpt) or data=generated (continuations of prompts)")
+        if _vllm_samples(cfg):
+            vllm.ready(cfg.target.name)  # no vLLM, or a target it cannot run: refused before any work
+        weights = TargetWeights.of(cfg.target.name, bool(cfg.target.trust_remote_code))
+        record = _prepare_corpus(cfg, teacher, tok, file_prompts, (weights or teacher()).config,
+                                 _corpus_dir(cfg, out_dir, launch))
+        print(f"draftsmith: the corpus is ready: {record['rows']} samples in {record['source']}; draftsmith train "
+              "with the same overrides uses it", flush=True)
+        return record
+    record = chatcorpus.prepare(cfg, tok, teacher)
     blocks = chatcorpus.chat_blocks(cfg, tok, record)
     n = sum(len(b["ids"]) for b in blocks["train"])
     print(f"draftsmith: the corpus is ready: {n} conversations of {record['source']} in {len(blocks['train'])} "
@@ -336,28 +402,36 @@ def _plan(cfg) -> dict:
     from draftsmith.sampling.load import config_of
     from draftsmith.train.build import draft_config_for
     from draftsmith.train.losses import DIVERGENCES
-    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, plan, print_plan
+    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, costs, feature_head_config, fits_smaller, \
+        plan, print_costs, print_plan
 
     draft_cfg = _draft_config(cfg)
-    if draft_cfg.kind != "independent":
-        raise DraftsmithError("plan=true sizes independent drafts; a feature head is one layer of the target's width")
-    target_config = config_of(cfg.target.name)
+    feature = draft_cfg.kind == "feature_head"
+    target_config = config_of(cfg.target.name)  # config.json alone: no weights are fetched or read
     devices = cfg.trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) else 1
     ranks = devices * int(cfg.trainer.get("num_nodes", 1) or 1)
     # the target's placement as training decides it (a target.ranks=first the run would refuse is refused here)
-    loss = cfg.loss
+    loss, g = cfg.loss, cfg.data.generated
     topk = loss.get("teacher_topk", 0)
     distill = loss.get("distill", True) and any(loss.weights.get(n, 0) for n in DIVERGENCES)
-    why = _training_calls_target(cfg, False, False, topk or None, bool(cfg.data.generated.enabled))
+    vllm_samples = _vllm_samples(cfg)
+    stored = feature and cfg.data.get("features", "stored") == "stored" and topk and not vllm_samples
+    why = _training_calls_target(cfg, feature, feature and not stored, topk or None, bool(g.enabled))
     first = _target_ranks(_target_ranks_setting(cfg), why) and ranks > 1
     precision = str(cfg.trainer.get("precision", "auto"))  # auto: what a GPU with bf16 picks (sampling/precision.py)
     teacher = "none" if not distill else "kept" if topk else "replica"
-    p = plan(target_config, draft_config_for(target_config, draft_cfg), ranks, cfg.data.batch_size,
+    shape = feature_head_config(target_config, draft_cfg.draft_vocab) if feature else \
+        draft_config_for(target_config, draft_cfg)
+    p = plan(target_config, shape, ranks, cfg.data.batch_size,
              cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
              compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
              columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2,
-             kept_topk=int(topk or 0))
+             kept_topk=int(topk or 0), passes=draft_cfg.unroll if feature else 1)
+    if feature:
+        p.notes.append("feature head: one decoder layer of the target's width and its pruned head, counted as "
+                       "trainable (an upper bound: the head is frozen by default), plus fc's 3h x h not counted; the "
+                       f"unrolled steps (draft.unroll={draft_cfg.unroll}) each keep their activations and logits")
     if cfg.get("plan_device_gib"):
         device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
     elif torch.cuda.is_available():
@@ -366,7 +440,21 @@ def _plan(cfg) -> dict:
     else:
         device_gib, source = DEFAULT_DEVICE_GIB, "an 80 GB H100 or A100; plan_device_gib=N for another GPU"
     print_plan(p, cfg.target.name, target_config, device_gib, source, _strategy_name(cfg.trainer))
-    return {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+    print(fits_smaller(p))
+    result = {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+    if g.enabled:  # the corpus' disk and the budget's hours: an estimate from the stated model (train/plan.py)
+        keep = topk if loss.get("distill", True) else 0
+        c = costs(p, samples=int(g.n_prompts) * int(g.samples_per_prompt),
+                  epochs=float(cfg.trainer.get("max_epochs") or 1), prompt_tokens=int(cfg.data.prompt_tokens),
+                  new_tokens=int(g.max_new_tokens), kept_topk=int(keep or 0),
+                  kept_features=3 * target_config.hidden_size if stored else 0,
+                  sampling_gpus=int(g.tensor_parallel_size) * int(g.data_parallel_size) if vllm_samples else 1,
+                  teacher_pass=teacher == "replica" or (feature and not stored),
+                  peak_tflops=float(cfg.plan_peak_tflops), mfu=float(cfg.plan_mfu),
+                  decode_mfu=float(cfg.plan_decode_mfu))
+        print_costs(c, cfg.data.get("cache_dir") or "$DRAFTSMITH_HOME (data.cache_dir)")
+        result["costs"] = c.__dict__
+    return result
 
 
 def _strategy_name(trainer) -> str | None:

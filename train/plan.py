@@ -61,6 +61,7 @@ GPUs (`target.device_map=auto`), and the other ranks none: the target column is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +132,7 @@ class Plan:
     target_first: bool = False  # target.ranks=first: rank 0 holds the target spread over its node, the others none
     target_bytes: int = 2  # a target parameter in its dtype
     kept_topk: int = 0  # teacher=kept: the entries a position keeps (loss.teacher_topk)
+    passes: int = 1  # the draft's passes a step keeps for the backward: a feature head's unrolled steps
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -153,7 +155,7 @@ class Plan:
                      "half": 16 * h + 4 * q + 4 * k + 8 * i}[kind] + 4 * heads + 8
         final_norm = {"fp32": 12, "autocast": 10, "half": 8}[kind] * h + 4
         rotary = 2 * (self.block - 1) * d["head_dim"] * (2 if kind == "half" else 4)
-        return self.tokens * (self.draft_layers * per_layer + final_norm) + rotary
+        return self.passes * (self.tokens * (self.draft_layers * per_layer + final_norm) + rotary)
 
     def logits(self, strategy: str) -> float:
         """Bytes of the logits-sized tensors at the loss' peak (module docstring)."""
@@ -164,7 +166,7 @@ class Plan:
             teacher = 4 if self.teacher == "kept" else self.target_bytes
             per = own + teacher + (own if self.compiled_loss else 24)
         read = 16 * self.kept_topk if self.teacher == "kept" else 0  # the top-k read from the store
-        return float(self.tokens * (self.columns * per + read))
+        return float(self.passes * self.tokens * (self.columns * per + read))
 
     def target(self) -> float:
         if self.target_first:
@@ -208,7 +210,8 @@ class Plan:
 
 def plan(target_config, draft_config, ranks: int, batch: int, block: int, devices_per_node: int | None = None, *,
          precision: str = "bf16-mixed", compiled_loss: bool = True, teacher: str = "replica",
-         target_first: bool = False, columns: int | None = None, target_bytes: int = 2, kept_topk: int = 0) -> Plan:
+         target_first: bool = False, columns: int | None = None, target_bytes: int = 2, kept_topk: int = 0,
+         passes: int = 1) -> Plan:
     if precision not in PRECISIONS:
         raise DraftsmithError(f"plan=true sizes trainer.precision {', '.join(PRECISIONS)} (or auto: bf16-mixed on a "
                               f"GPU), got {precision!r}")
@@ -221,7 +224,7 @@ def plan(target_config, draft_config, ranks: int, batch: int, block: int, device
     shape = model_shape(d)
     return Plan(d.num_hidden_layers, d.hidden_size, shape.params, meta_params(target_config), ranks, batch, block,
                 devices_per_node or ranks, shape, dims, columns or d.vocab_size, precision, compiled_loss, teacher,
-                target_first, target_bytes, kept_topk)
+                target_first, target_bytes, kept_topk, passes)
 
 
 def print_plan(p: Plan, target_name: str, target_config, device_gib: float, device_source: str,
@@ -255,3 +258,81 @@ def print_plan(p: Plan, target_name: str, target_config, device_gib: float, devi
               + f"{p.total(st) / GIB:>9.2f}  {'over' if st in over else 'fits'}")
     for note in p.notes:
         print(note)
+
+
+# -- disk and hours: an estimate, from a stated model -----------------------------------------------------------------
+# What a GPU is assumed to do where nothing on it was measured: its dense bf16 peak (NVIDIA's H100 SXM datasheet,
+# 989 TFLOP/s; plan_peak_tflops=N for another GPU), the share of it training reaches (plan_mfu) and the share batched
+# decoding reaches (plan_decode_mfu). Each figure the plan prints from them is labelled an estimate.
+PEAK_TFLOPS = 989.0
+TRAIN_MFU = 0.35
+DECODE_MFU = 0.10
+BYTES_PER_TEXT_TOKEN = 10  # a JSONL row holds each token twice: its text (~4 bytes) and its id in `ids` (~6)
+SMALLER_GPUS = (40.0, 48.0)  # A100-40GB, L40S/A6000 (48 GB): the GPUs a user often has besides an 80 GB one
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a recipe's budget costs: the corpus on disk, the steps, and the hours (an estimate) to sample and
+    to train."""
+
+    samples: int
+    epochs: float
+    steps: int
+    corpus_bytes: float
+    store_bytes: float
+    decode_tokens_per_s_per_gpu: float
+    sampling_gpus: int
+    sampling_hours: float
+    train_flops: float
+    train_hours: float
+    assumptions: str
+
+
+def costs(p: Plan, *, samples: int, epochs: float, prompt_tokens: int, new_tokens: int, kept_topk: int,
+          kept_features: int, sampling_gpus: int, teacher_pass: bool = False,
+          peak_tflops: float = PEAK_TFLOPS, mfu: float = TRAIN_MFU, decode_mfu: float = DECODE_MFU) -> Costs:
+    """The budget's disk and hours under the stated model: sampling decodes `new_tokens` per sample at
+    `decode_mfu` x peak / (2 x target parameters) tokens/s per GPU on `sampling_gpus`; training costs 6 x the
+    draft's parameters a token for each of its passes (a feature head's unrolled steps), plus 2 x the target's
+    when a step runs the target (`teacher_pass`), at `mfu` x peak on each of the plan's ranks. A sample is one
+    block of min(prompt + reply, block) tokens (a conversation fits its block)."""
+    tokens = min(prompt_tokens + new_tokens, p.block)
+    store = samples * (new_tokens * kept_topk * (2 + 4) + (prompt_tokens + new_tokens) * kept_features * 2)
+    rate = decode_mfu * peak_tflops * 1e12 / (2 * p.target_params)
+    flops = samples * epochs * tokens * (6 * p.draft_params * p.passes + (2 * p.target_params if teacher_pass else 0))
+    steps = math.ceil(samples / (p.ranks * p.batch)) * math.ceil(epochs)
+    return Costs(samples, epochs, steps, float(samples * tokens * BYTES_PER_TEXT_TOKEN), float(store), rate,
+                 sampling_gpus, samples * new_tokens / (rate * sampling_gpus) / 3600, flops,
+                 flops / (p.ranks * mfu * peak_tflops * 1e12) / 3600,
+                 f"{peak_tflops:g} TFLOP/s bf16 peak a GPU (plan_peak_tflops), training at {mfu:g} of it "
+                 f"(plan_mfu), decoding at {decode_mfu:g} (plan_decode_mfu)")
+
+
+def print_costs(c: Costs, where: str) -> None:
+    print(f"budget: {c.samples} samples x {c.epochs:g} epochs = {c.steps} steps (a sample a block)")
+    print(f"disk: corpus {c.corpus_bytes / GIB:.1f} GiB + kept store {c.store_bytes / GIB:.1f} GiB, in {where}")
+    print(f"estimate, not a measurement ({c.assumptions}): sampling {c.sampling_hours:.1f} h on {c.sampling_gpus} "
+          f"GPU(s) at {c.decode_tokens_per_s_per_gpu:,.0f} tokens/s each; training {c.train_hours:.1f} h "
+          f"({c.train_flops:.3g} FLOPs)")
+
+
+def fits_smaller(p: Plan) -> str:
+    """Which strategies fit the smaller GPUs users often have (40 and 48 GB)."""
+    parts = []
+    for gib in SMALLER_GPUS:
+        ok = [st for st in STRATEGIES if p.total(st) <= gib * GIB]
+        parts.append(f"{gib:g} GiB: {', '.join(ok) if ok else 'none'}")
+    return "on smaller GPUs: " + "; ".join(parts)
+
+
+def feature_head_config(target_config, draft_vocab: int | None):
+    """A feature head's shape for the plan: one decoder layer of the target's width, its head over `draft_vocab`
+    tokens (the embedding is the target's own, shared and frozen: not the draft's)."""
+    import copy
+
+    c = copy.deepcopy(target_config)
+    c.num_hidden_layers = 1
+    c.vocab_size = draft_vocab or target_config.vocab_size
+    c.tie_word_embeddings = True  # one matrix of that size: the head
+    return c

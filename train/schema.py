@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.train.build import DraftConfig
+from draftsmith.train.plan import DECODE_MFU, PEAK_TFLOPS, TRAIN_MFU
 
 
 @dataclass
@@ -139,6 +140,15 @@ class Launch:
 
 
 @dataclass
+class SizedFor:
+    """What a recipe is sized for (train/budget.py): its trainers' hardware, and the recipe named instead on the
+    other hardware."""
+
+    hardware: str = "any"  # any | cpu | gpu
+    instead: str | None = None
+
+
+@dataclass
 class Draftsmith:
     seed: int = 0
     out_dir: str = MISSING
@@ -146,12 +156,16 @@ class Draftsmith:
     plan: bool = False
     plan_device_gib: float | None = None  # the GPU memory plan=true holds the totals against (train/plan.py)
     prepare_only: bool = False  # `draftsmith data`: prepare the corpus (and show data.show samples), then stop
+    plan_peak_tflops: float = PEAK_TFLOPS  # the stated model of plan=true's hours: a GPU's bf16 peak,
+    plan_mfu: float = TRAIN_MFU  # the share of it training reaches,
+    plan_decode_mfu: float = DECODE_MFU  # and the share batched decoding reaches (train/plan.py)
     optim: Optim = field(default_factory=Optim)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
     sampler: Sampler = field(default_factory=Sampler)
     target: Target = field(default_factory=Target)
     launch: Launch = field(default_factory=Launch)
+    sized_for: SizedFor = field(default_factory=SizedFor)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: Data = field(default_factory=Data)
     loss: Loss = field(default_factory=Loss)

@@ -1,6 +1,6 @@
 """Which engine samples the target's corpus faster on this machine: our loop or vLLM, on the same prompts and settings.
 
-    draftsmith bench corpus                                   # demo target, 64 broad prompts, 192 tokens
+    draftsmith bench corpus --target smollm2-135m             # the demo target, 64 broad prompts, 192 tokens
     draftsmith bench corpus --target DIR --batch-size 256 --max-new-tokens 256 --json out.json
 
 Each engine samples one batch of the `broad` prompts at the recipe's T 0.8, top-p 0.95 (vLLM in its own venv,
@@ -11,10 +11,11 @@ the start, and what `data.generated.engine=auto` would choose from them.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from draftsmith.sampling.cli import examples
-from draftsmith.sampling.load import load_model, load_tokenizer
+from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
 from draftsmith.sampling.machine import machine, write_json
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
 from draftsmith.engines import vllm
@@ -24,12 +25,16 @@ from draftsmith.train.generation import own_batches
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--target", help="the target that samples (required: an alias, hub id, directory or .gguf)")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
+    if not args.target:
+        print("error: no target: pass --target NAME (a hub id, a checkpoint directory, a .gguf, or smollm2-135m for "
+              "the demo)", file=sys.stderr)
+        return 2
 
     tok, target = load_tokenizer(args.target), load_model(args.target, args.dtype, role="teacher")
     rows = prompt_rows(tok, [r["prompt"] for r in load_prompts("broad", args.batch_size)])

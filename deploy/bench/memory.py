@@ -1,8 +1,8 @@
 """Peak memory of a long speculative generation (batch 16, 250 and 1,000 new tokens a row) against the KV caches it
 must hold (target and draft): what grows beyond them is a leak.
 
-    draftsmith bench memory --draft outputs/default_run/best_draft
-    draftsmith bench memory --target tiny-random --draft tiny-random --tokens 50 200   # a quick look
+    draftsmith bench memory outputs/DATE/TIME                      # a run: its best draft and its target
+    draftsmith bench memory tiny-random --target tiny-random --tokens 50 200   # a quick look
 
 Each length runs in a fresh process, since the peak RSS (`ru_maxrss`) of a process never goes down.
 """
@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from draftsmith.sampling.cli import examples
+from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
+from draftsmith.sampling.load import DTYPE_CHOICES
 
 
 def _rss_mb() -> float:
@@ -53,14 +54,20 @@ def child(target_name: str, draft_name: str, tokens: int, batch: int, k: int, dt
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", required=True)
+    add_artifact(ap)
+    ap.add_argument("--target", help="default: the artifact's target (a bundle's or run's); required otherwise")
     ap.add_argument("--tokens", type=int, nargs="+", default=[250, 1000])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        source = locate_draft(artifact_of(args, required=True))
+        args.draft, args.target = source.path, target_of(args.target, source)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.child:
         print(json.dumps(child(args.target, args.draft, args.child, args.batch, args.k, args.dtype)))
         return 0

@@ -1,9 +1,9 @@
 """The paper's Table 1 and Figure 1 for any draft+target pair on this machine, with the speed-up model beside them.
 
-    draftsmith bench paper --target smollm2-135m --draft outputs/.../best_draft
-    draftsmith bench paper --draft DIR --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4 --out bench/
-    draftsmith bench paper --draft SHALLOW_WIDE_DIR FEATURE_HEAD_DIR      # both kinds side by side, one run
-    draftsmith bench paper --draft DIR --compile --k-sweep 0 1 2 3 4      # our loops with compiled steps
+    draftsmith bench paper outputs/DATE/TIME                              # a run: its best draft and its target
+    draftsmith bench paper DIR --target smollm2-135m --draft-vocab 4096 --prompts my_prompts.jsonl --n-prompts 4
+    draftsmith bench paper SHALLOW_WIDE_RUN FEATURE_HEAD_RUN             # both kinds side by side, one run
+    draftsmith bench paper BUNDLE --compile --k-sweep 0 1 2 3 4          # our loops with compiled steps
 
 Table 1: ArS vs SpS (batch 1, K=4, 128 new tokens, code at T 0.8 / top-p 0.95, text at T 1 / top-p 0.8):
 ms/token, speed-up, alpha, tokens per call, and a two-sample test that SpS and ArS outputs share a distribution.
@@ -26,7 +26,7 @@ import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
-from draftsmith.sampling.cli import examples, locate_draft
+from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
@@ -55,10 +55,9 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="default: the first draft's bundle's or run's target, else smollm2-135m")
-    ap.add_argument("--draft", required=True, nargs="+",
-                    help="bundle(s), run dir(s) or draft checkpoint dir(s): independent or feature drafts; several "
-                         "are measured side by side against the same ArS runs")
+    add_artifact(ap, "bundle(s), run dir(s) or draft checkpoint dir(s): independent or feature drafts; several are "
+                     "measured side by side against the same ArS runs", many=True)
+    ap.add_argument("--target", help="default: the first artifact's target (a bundle's or run's); required otherwise")
     ap.add_argument("--prompts", nargs="+", default=["code", "english"],
                     help="shipped prompt sets (code, english) or JSONL files with a `prompt` field (optional `domain`)")
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt file")
@@ -80,9 +79,9 @@ def main(argv=None, prog=None) -> int:
                          "every shape is compiled by an untimed pass over the first prompt")
     args = ap.parse_args(argv)
     try:
-        sources = [locate_draft(d) for d in args.draft]
+        sources = [locate_draft(d) for d in artifact_of(args, required=True)]
         args.draft = [d.path for d in sources]
-        args.target = args.target or sources[0].target or "smollm2-135m"
+        args.target = target_of(args.target, sources[0])
         tok = load_tokenizer(args.target)
         target = load_model(args.target, args.dtype, device=args.device)
         full_drafts = {}

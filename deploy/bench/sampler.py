@@ -1,8 +1,8 @@
 """Our sampler against transformers on the same pair, interleaved in one process.
 
-    draftsmith bench sampler                                   # demo target, self-draft + 4-layer cut draft
-    draftsmith bench sampler --draft DIR --prompts 6 --max-new-tokens 128 --json bench.json
-    draftsmith bench sampler --compile --no-self-draft        # + our compiled decoding, and its c and v(K)
+    draftsmith bench sampler --target smollm2-135m             # the demo target, self-draft + 4-layer cut draft
+    draftsmith bench sampler RUN_OR_BUNDLE --n-prompts 6 --max-new-tokens 128 --json bench.json
+    draftsmith bench sampler --target smollm2-135m --compile --no-self-draft   # + our compiled decoding, c and v(K)
 
 Rows: our ArS vs transformers `generate` (the baseline every speed-up is quoted against must not be slow),
 and our SpS vs transformers assisted generation (`assistant_model=`, constant K, no confidence cut-off) with
@@ -18,11 +18,12 @@ import argparse
 import copy
 import random
 import statistics
+import sys
 
 import torch
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
-from draftsmith.sampling.cli import examples, locate_draft
+from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
@@ -46,14 +47,13 @@ PROMPTS = [
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="default: the draft's bundle's or run's target, else smollm2-135m")
-    ap.add_argument("--draft", help="a bundle, a run dir or a draft checkpoint; default: the target cut to "
-                    "--cut-layers layers")
+    add_artifact(ap, "a bundle, a run dir or a draft checkpoint; default: the target cut to --cut-layers layers")
+    ap.add_argument("--target", help="default: the artifact's target (a bundle's or run's); required otherwise")
     ap.add_argument("--cut-layers", type=int, default=4)
     ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the target as its own draft (alpha ~1): isolates each sampler's machinery")
     ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n-prompts", type=int, default=4, help="prompts timed (each runs every configuration)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -68,9 +68,14 @@ def main(argv=None, prog=None) -> int:
     torch.manual_seed(0)
     rng = random.Random(0)
 
-    source = locate_draft(args.draft) if args.draft else None
-    args.draft = source.path if source else None
-    args.target = args.target or (source and source.target) or "smollm2-135m"
+    try:
+        args.draft = artifact_of(args)
+        source = locate_draft(args.draft) if args.draft else None
+        args.draft = source.path if source else None
+        args.target = target_of(args.target, source)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype, device=args.device)
     # default: the target's first N layers + final norm + head, the naive draft peers use (alpha ~0.05)
@@ -103,7 +108,7 @@ def main(argv=None, prog=None) -> int:
         configs[f"hf_assisted_{name}"] = (lambda d: lambda ids, g: target.generate(ids, assistant_model=d,
                                                                                    **hf_common))(assistants[name])
 
-    prompts = (PROMPTS * ((args.prompts + len(PROMPTS) - 1) // len(PROMPTS)))[: args.prompts]
+    prompts = (PROMPTS * ((args.n_prompts + len(PROMPTS) - 1) // len(PROMPTS)))[: args.n_prompts]
     times = {c: [] for c in configs}
     extra = {c: [] for c in configs}
     costs = {}

@@ -51,23 +51,23 @@ def main(argv=None, prog=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--positions", type=int, default=255)
-    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=128, help="kept entries a position (loss.teacher_topk)")
     ap.add_argument("--features", type=int, default=3 * 576)
     ap.add_argument("--vocab", type=int, default=8192, help="the logits drawn to fill the store (its cost only)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(one(a.child, a.positions, a.k, a.features, a.vocab, a.batch)))
+        print(json.dumps(one(a.child, a.positions, a.top_k, a.features, a.vocab, a.batch)))
         return 0
     from draftsmith.sampling.machine import machine
 
     m = machine()
-    print(f"{m['cpu']}, {m['threads']} threads; {a.positions} positions x top-{a.k}, {a.features} feature values")
+    print(f"{m['cpu']}, {m['threads']} threads; {a.positions} positions x top-{a.top_k}, {a.features} feature values")
     print(f"{'blocks':>8} {'peak RSS MB':>12} {'held in memory MB':>18} {'fill s':>8} {'epoch read s':>13}")
     for n in a.blocks:
         args = [sys.executable, "-m", "draftsmith.deploy.bench.store", "--child", str(n), "--positions",
-                str(a.positions), "--k", str(a.k), "--features", str(a.features), "--vocab", str(a.vocab),
+                str(a.positions), "--top-k", str(a.top_k), "--features", str(a.features), "--vocab", str(a.vocab),
                 "--batch", str(a.batch)]
         r = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
         print(f"{r['blocks']:>8} {r['peak_rss_mb']:>12.0f} {r['in_memory_mb']:>18.0f} {r['fill_s']:>8.1f} "

@@ -55,7 +55,7 @@ def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=examples(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scales", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--prompts", type=int, default=64, help="prompts (one sample each) at scale 1")
+    ap.add_argument("--n-prompts", type=int, default=64, help="prompts (one sample each) at scale 1")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("overrides", nargs="*", help="extra overrides for every run")
     args = ap.parse_args(argv)
@@ -66,7 +66,7 @@ def main(argv=None, prog=None) -> int:
     print(f"{'scale':>5} {'samples':>8} {'blocks':>7} {'store MB':>9} {'peak RSS MB':>12} {'wall s':>7}")
     rows = []
     for s in args.scales:
-        r = one(s, args.prompts, args.overrides)
+        r = one(s, args.n_prompts, args.overrides)
         rows.append(r)
         print(f"{r['scale']:>5} {r['samples']:>8} {r['blocks']:>7} {r['store_mb']:>9.1f} {r['peak_rss_mb']:>12.0f} "
               f"{r['wall_s']:>7.0f}", flush=True)
