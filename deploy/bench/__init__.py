@@ -6,6 +6,7 @@
 - `memory`: a long generation's peak memory against the KV caches it must hold;
 - `store`: the teacher store's peak memory as the corpus grows;
 - `train-memory`: a whole training run's peak memory as its corpus grows;
+- `serve`: a bundle served in an engine (ours, transformers, vLLM, llama.cpp): tau per set, the speed-up there;
 - `ablation`: the table and plot of a finished ablation multirun.
 
 Each prints its figures and writes its JSON where told; the figures that matter, with their command, machine and
@@ -19,6 +20,7 @@ BENCHES = {
     "memory": ("memory", "a long generation's peak memory against its KV caches"),
     "store": ("store", "the teacher store's peak memory as the corpus grows"),
     "train-memory": ("train_memory", "a training run's peak memory as its corpus grows"),
+    "serve": ("serve", "a bundle served in an engine: acceptance length (tau) and speed-up per set"),
     "ablation": ("ablation", "the table and plot of a finished ablation multirun"),
 }
 
