@@ -30,6 +30,7 @@ import yaml
 
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
+from draftsmith.engines import ENGINES
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
@@ -205,9 +206,12 @@ python -m sglang.launch_server --model-path "$TARGET" {sglang_flags(sglang_confi
 
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
-           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8), device=None) -> Path:
+           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8), device=None, engines=(),
+           sweep_temperature=0.0, sweep_prompts=4, sweep_tokens=32) -> Path:
     """`device`: where the pair is measured (default: the GPU where there is one): the card's c, v(K) and
-    recommended K are figures of that device, and the card says which."""
+    recommended K are figures of that device, and the card says which. `engines`: each also timed at K = 1..4
+    (`deploy/ksweep.py`, at `sweep_temperature`, `sweep_prompts` code prompts of `sweep_tokens` tokens), its
+    fastest K written into its config."""
     src, target_name, sampler = locate(Path(src), target_arg)
     out = Path(out).resolve()
     target_dir = resolve(target_name)
@@ -285,10 +289,23 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
                 {"method": "eagle3" if feature else "draft_model", "model": "draft",
                  "num_speculative_tokens": k_rec}, indent=2))
             (tmp / SGLANG_CONFIG).write_text(json.dumps(sglang_config(feature, k_rec), indent=2))
+            if engines:
+                from draftsmith.deploy.bundle import Bundle
+                from draftsmith.deploy.ksweep import sweep, write_engine_k
+
+                here = Bundle(tmp, spec, tmp / "target" if copy_target else target_dir, tmp / "draft")
+                spec["engine_k"] = {e: sweep(here, e, temperature=sweep_temperature, n_prompts=sweep_prompts,
+                                             max_new_tokens=sweep_tokens) for e in engines}
+                write_engine_k(tmp, spec["engine_k"])
             spec["files"] = bundle_hashes(tmp)  # `draftsmith deploy-check` refuses a bundle edited after export
             (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
             card = feature_card if feature else model_card
-            (tmp / "README.md").write_text(card(out.name, target_name, spec, hub_id, copy_target))
+            text = card(out.name, target_name, spec, hub_id, copy_target)
+            if spec.get("engine_k"):
+                from draftsmith.deploy.ksweep import card_section
+
+                text = text.replace("## Use", card_section(spec["engine_k"], spec["predicted_speedup"]) + "\n## Use", 1)
+            (tmp / "README.md").write_text(text)
             card_plot(spec, tmp / CARD_PLOT)
             reload_check(tmp, target, target_tok, spec, sampler)
             # two renames: at every moment the destination holds the previous bundle whole or the new one whole
@@ -421,6 +438,9 @@ def main(argv=None, prog=None) -> int:
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--device", default=default_device(),
                     help="where the pair is measured, the device the bundle will serve on (default: %(default)s)")
+    ap.add_argument("--engines", nargs="+", default=[], choices=list(ENGINES), metavar="ENGINE",
+                    help="also time the bundle at K = 1..4 in each engine named (draftsmith, transformers, vllm, "
+                         "llamacpp), greedy, and write the fastest K into its config (opt-in: minutes per engine)")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the bundle as an artifact of the run's W&B run (a run that logged to W&B; off by "
                          "default, so exporting needs none of the trainer's packages)")
@@ -428,7 +448,7 @@ def main(argv=None, prog=None) -> int:
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
                      prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
-                     dtype=args.dtype, device=args.device)
+                     dtype=args.dtype, device=args.device, engines=tuple(args.engines))
     except ValueError as e:  # a DraftsmithError, or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -438,6 +458,8 @@ def main(argv=None, prog=None) -> int:
         print(f"  {ps:<10} {TAU} {r['tokens_per_call']:.2f}  alpha {r['alpha']:.3f}")
     print(f"  c {spec['c']:.3f}  recommended K {spec['recommended_k']} "
           f"(predicted {spec['predicted_speedup'][str(spec['recommended_k'])]:.2f}x)")
+    for name, r in spec.get("engine_k", {}).items():
+        print(f"  {name}: fastest K {r['best_k']} at T={r['temperature']:g} ({r['speedup']:.2f}x against plain)")
     run_dir = args.src if (args.src / "best_draft").is_dir() else None
     run_id = log_bundle(run_dir, out, spec) if args.wandb and run_dir is not None else None
     if run_id:

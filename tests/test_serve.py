@@ -152,3 +152,43 @@ def test_a_feature_bundle_keeps_its_d2t_map_and_names_its_verifier_relative(tmp_
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "target"
     assert json.loads((out / SGLANG_CONFIG).read_text())["speculative_algorithm"] == "EAGLE3"
     assert json.loads((out / "vllm_speculative_config.json").read_text())["model"] == "draft"
+
+
+@pytest.mark.slow  # two engines timed at four Ks, after an export's own measurements: minutes on 2 busy cores
+def test_export_times_each_named_engine_at_each_k_and_writes_the_fastest(tmp_path):
+    """`draftsmith export --engines`: K 1..4 timed in each engine, the fastest written where that engine reads K
+    (transformers: the draft's generation config), and the card's table beside the predicted speed-up."""
+    from draftsmith.deploy.export import export
+    from draftsmith.sampling.load import load_model, load_tokenizer
+
+    load_model("tiny-random", "fp32").save_pretrained(tmp_path / "draft")
+    load_tokenizer("tiny-random").save_pretrained(tmp_path / "draft")
+    out = export(tmp_path / "draft", tmp_path / "b", target_arg="tiny-random", n_prompts=1, max_new_tokens=4,
+                 dtype="fp32", ks=(1, 2), engines=("draftsmith", "transformers"), sweep_prompts=1, sweep_tokens=9)
+    spec = json.loads((out / "speculative.json").read_text())
+    for name in ("draftsmith", "transformers"):
+        r = spec["engine_k"][name]
+        assert set(r["by_k"]) == {"1", "2", "3", "4"} and r["temperature"] == 0
+        assert r["best_k"] == int(max(r["by_k"], key=lambda k: r["by_k"][k]["tok_s"]))
+    # the draft is the target: greedy, every draft accepted (9 tokens at K=2: 3 passes of 3)
+    assert spec["engine_k"]["draftsmith"]["by_k"]["2"]["tokens_per_call"] == pytest.approx(3.0)
+    gen = json.loads((out / "draft" / "generation_config.json").read_text())
+    assert gen["num_assistant_tokens"] == spec["engine_k"]["transformers"]["best_k"]
+    card = (out / "README.md").read_text()
+    assert "## K per engine" in card and card.index("## K per engine") < card.index("## Use")
+    open_bundle(out)  # the rewritten configs are the hashed ones
+
+
+def test_the_card_says_where_speculation_does_not_pay(tmp_path):
+    from draftsmith.deploy.ksweep import card_section, write_engine_k
+
+    r = {"version": "0.32.0", "temperature": 0.0, "tok_s_plain": 10.0, "best_k": 2, "speedup": 0.8,
+         "by_k": {"1": {"tok_s": 7.0, "speedup": 0.7, "tokens_per_call": 1.6},
+                  "2": {"tok_s": 8.0, "speedup": 0.8, "tokens_per_call": 2.1}}}
+    text = card_section({"vllm": r}, {"2": 1.3})
+    assert "| vllm | 0.32.0 | 0 | 2 | 2.10 | 10.0 | 8.0 | 0.80x | 1.30x |" in text
+    assert "does not pay in vllm" in text
+    assert "does not pay" not in card_section({"vllm": {**r, "by_k": {"2": {**r["by_k"]["2"], "speedup": 1.2}}}}, {})
+    (tmp_path / "vllm_speculative_config.json").write_text(json.dumps({"model": "draft", "num_speculative_tokens": 4}))
+    write_engine_k(tmp_path, {"vllm": r})
+    assert json.loads((tmp_path / "vllm_speculative_config.json").read_text())["num_speculative_tokens"] == 2
