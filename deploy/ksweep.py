@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.deploy.bench.serve import encode, set_k, tau_of
+from draftsmith.deploy.bench.serve import _merge, encode, set_k, tau_of
 from draftsmith.deploy.bench.sets import load_set
 from draftsmith.engines.base import Job
 from draftsmith.sampling.load import load_tokenizer
@@ -41,8 +41,6 @@ def sweep(bundle, engine_name: str, ks=KS, temperature: float = 0.0, top_p: floa
         set_k(engine, k)
         spec = engine.run(jobs, speculative=True)
         tps = sum(o.new_tokens for o in spec) / max(sum(o.seconds for o in spec), 1e-9)
-        from draftsmith.deploy.bench.serve import _merge
-
         tau, _ = tau_of(engine_name, _merge(spec), k)
         by_k[str(k)] = {"tok_s": tps, "speedup": tps / tps_plain, "tokens_per_call": tau}
     best = max(by_k, key=lambda k: by_k[k]["tok_s"])
