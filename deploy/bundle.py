@@ -38,8 +38,10 @@ class Bundle:
     draft_dir: Path
 
 
-def open_bundle(path) -> Bundle:
-    """A bundle as `draftsmith export` wrote it; refused, naming the file, when one is missing or was edited."""
+def open_bundle(path, target: str | None = None) -> Bundle:
+    """A bundle as `draftsmith export` wrote it, wherever it was copied; refused, naming the file, when one is
+    missing or was edited. Its target: the copy inside it, else `target` (the card's TARGET), else
+    the name it was exported with, resolved here (an alias, a hub id, a folder)."""
     path = Path(path)
     card = path / "speculative.json"
     if not card.is_file():
@@ -58,14 +60,31 @@ def open_bundle(path) -> Bundle:
         if sha256(f) != digest:
             raise DraftsmithError(f"{path}: {rel} changed after export (sha256 differs from the card); export again")
     ref = json.loads((path / "target.json").read_text())
-    target_dir = path / "target" if ref["path"] == "target" else Path(ref["path"])
-    if not (target_dir / "config.json").is_file():
-        raise DraftsmithError(f"the bundle's target {target_dir} is missing (target.json); re-export with "
-                              "--copy-target")
+    target_dir = _target_dir(path, ref, target)
     if files_sha256(target_dir, ["config.json"]) != ref["config_sha256"]:
         raise DraftsmithError(f"the target at {target_dir} is not the one exported with this bundle (config.json "
                               "differs); export the bundle again")
     return Bundle(path, spec, target_dir, path / "draft")
+
+
+def _target_dir(path: Path, ref: dict, given: str | None) -> Path:
+    from draftsmith.sampling.load import resolve
+
+    if ref.get("path") == "target":
+        target_dir = path / "target"
+    elif given or not ref.get("path"):
+        name = given or ref["name"]
+        try:
+            target_dir = resolve(name)
+        except (ValueError, OSError) as e:
+            raise DraftsmithError(f"the bundle's target {name!r} is not here ({e}): pass its folder as --target "
+                                  "(the card's TARGET), or export with --copy-target") from None
+    else:  # bundles exported before bundles travelled name the exporting host's folder
+        target_dir = Path(ref["path"])
+    if not (target_dir / "config.json").is_file():
+        raise DraftsmithError(f"the bundle's target {target_dir} is missing (target.json); pass its folder as --target "
+                              "(the card's TARGET), or re-export with --copy-target")
+    return target_dir
 
 
 # -- the card ---------------------------------------------------------------------------------------------------

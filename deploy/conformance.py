@@ -286,6 +286,8 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("bundle", type=Path, help="a bundle (draftsmith export), or a run directory: exported first into "
                     "RUN/bundle (once), and that bundle judged")
     ap.add_argument("--engine", required=True, choices=list(ENGINES))
+    ap.add_argument("--target", help="the target's folder or hub id where the bundle does not hold it (the card's "
+                    "TARGET; default: the copy inside the bundle, else the name it was exported with)")
     ap.add_argument("--sampling", type=_setting, nargs="+",
                     help="TEMPERATURE[:TOP_P] settings to judge (default: the bundle's own)")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy setting")
@@ -299,7 +301,7 @@ def main(argv=None, prog=None) -> int:
                          "the shape of the pass, so exactness cannot be judged), auto for the bundle's own")
     args = ap.parse_args(argv)
     try:
-        bundle = open_bundle(_bundle_of(args.bundle))
+        bundle = open_bundle(_bundle_of(args.bundle), args.target)
         engine = open_engine(args.engine, bundle, "bundle" if args.dtype == "auto" else args.dtype)
     except ValueError as e:  # a DraftsmithError (a bad bundle, a missing engine), or bad input
         print(f"error: {e}", file=sys.stderr)

@@ -4,7 +4,8 @@ The command is `draftsmith export` (this module's `main`):
     draftsmith export outputs/2026-11-29/19-59-20 --out bundles/smollm2-draft
     draftsmith export outputs/.../checkpoints/step800-alpha0.4812.ckpt --out bundle --copy-target
 
-Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json, README.md};
+Writes DIR/{draft/, target.json or target/, speculative.json, vllm_speculative_config.json,
+sglang_speculative_config.json, README.md}, naming no path of this machine (the bundle travels);
 speculative.json records every other file's sha256. A feature draft's config is also in the speculators format
 (PyPI `speculators` 0.9, eagle3); an independent draft's is not: that format has no algorithm for it.
 The recommended K maximises the predicted speed-up from the measured alpha and the c and v(K) measured on this
@@ -29,6 +30,7 @@ import yaml
 
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
+from draftsmith.engines import ENGINES
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
@@ -36,6 +38,7 @@ from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import ALIASES, DTYPE_CHOICES, load_model, load_tokenizer, resolve, tokenizer_mismatches
 from draftsmith.sampling.machine import default_device, device_of
 from draftsmith.sampling.precision import describe_run, device_name, run_info
+from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
 from draftsmith.train.evaluate import acceptance_by_set
 from draftsmith.train.saved import draft_from_checkpoint, save_draft
@@ -94,24 +97,45 @@ def measure_bundle(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_
     return acc, measure_costs(target, draft, ks=ks)
 
 
-def model_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:
-    k = spec["recommended_k"]
-    rows = "\n".join(f"| {d} | {r['alpha']:.3f} | {r['alpha_analytic']:.3f} | {r['tokens_per_call']:.2f} |"
+def target_note(target_name: str, hub_id: str | None, copied: bool) -> str:
+    """How the card's commands find the target: one placeholder, TARGET, set once. Never a silent swap: where the
+    target has a hub id, the card says whether that is the model the draft was measured against."""
+    if copied:
+        return ("The target is copied into the bundle (`target/`); the commands below run from the bundle's folder:\n"
+                "```bash\ncd BUNDLE\nexport TARGET=target\n```")
+    hub = (f" Its hub id `{hub_id}` names the hub's weights, which are not the copy the draft was measured against "
+           "(that one is dequantized from a GGUF, the hub's are bf16): acceptance there may differ from this card."
+           if hub_id else "")
+    return (f"The draft was measured against `{target_name}`, which is not copied into the bundle (export with "
+            f"--copy-target to ship it): set TARGET to that model on the serving host (a local folder or hub id).{hub} "
+            f"The commands below run from the bundle's folder:\n```bash\ncd BUNDLE\nexport TARGET=...  # the folder "
+            f"or hub id of {target_name}\n```")
+
+
+def acceptance_rows(spec: dict) -> str:
+    return "\n".join(f"| {d} | {r['tokens_per_call']:.2f} | {r['alpha']:.3f} | {r['alpha_analytic']:.3f} | "
+                     + " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_by_position") or []) + " |"
                      for d, r in spec["acceptance"].items())
+
+
+def model_card(name: str, target_name: str, spec: dict, hub_id: str | None = None, copied: bool = False) -> str:
+    k = spec["recommended_k"]
     s = spec["sampling"]
-    return f"""# {name}: a draft model for speculative sampling with `{target_ref}`
+    sglang = sglang_flags(sglang_config(False, k))
+    return f"""# {name}: a draft model for speculative sampling with `{target_name}`
 
 Trained with draftsmith. The draft shares the target's tokenizer and vocabulary; the pair is verified to match
-(vocabulary, special tokens, chat template) at export time.{f" The target is `{hub_id}` on the Hugging Face hub;"
- " the commands below use the local copy the draft was measured against." if hub_id else ""}
+(vocabulary, special tokens, chat template) at export time.
 
 ## Acceptance card
 Measured with draftsmith's exact speculative sampler (Chen et al. 2023), K={spec['measured_k']},
 temperature {s['temperature']}, top-p {s['top_p']}, {spec['max_new_tokens']} new tokens per prompt, seed {spec['seed']}.
+{TAU} (`tokens_per_call`): tokens per target pass, bonus token included, as SpecForge, speculators, vLLM and SGLang
+report it; acceptance at each draft position given the position was reached.
 
-| prompts | alpha | alpha_analytic | tokens per target call |
-| --- | --- | --- | --- |
-{rows}
+| prompts | {TAU} | alpha | alpha_analytic | acceptance by position |
+| --- | --- | --- | --- | --- |
+{acceptance_rows(spec)}
 
 Draft cost c = {spec['c']:.3f} of a target step, measured on the exporting machine ({describe_run(spec)});
 recommended K = {k}
@@ -121,56 +145,73 @@ settings above: other temperatures give other rates.
 ![acceptance by draft position, and the predicted speed-up by K]({CARD_PLOT})
 
 ## Use
+{target_note(target_name, hub_id, copied)}
+
 transformers (assisted generation; `draft/generation_config.json` fixes K={k}, constant):
 ```python
+import os
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("{target_ref}")
-target = AutoModelForCausalLM.from_pretrained("{target_ref}")
-draft = AutoModelForCausalLM.from_pretrained("BUNDLE/draft")
+tok = AutoTokenizer.from_pretrained(os.environ["TARGET"])
+target = AutoModelForCausalLM.from_pretrained(os.environ["TARGET"])
+draft = AutoModelForCausalLM.from_pretrained("draft")
 out = target.generate(**tok("def f(x):", return_tensors="pt"), assistant_model=draft, do_sample=True,
                       temperature={s['temperature']}, top_p={s['top_p']}, max_new_tokens=128)
 ```
-vLLM (see `vllm_speculative_config.json`; vLLM drafts greedily unless configured for probabilistic rejection,
+vLLM (`vllm_speculative_config.json`; vLLM drafts greedily unless configured for probabilistic rejection,
 so its acceptance differs from the card):
 ```bash
-vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_config.json)"
+vllm serve "$TARGET" --speculative-config "$(cat vllm_speculative_config.json)"
+```
+SGLang (`{SGLANG_CONFIG}`: its STANDALONE algorithm runs an independent draft):
+```bash
+python -m sglang.launch_server --model-path "$TARGET" {sglang}
 ```
 draftsmith's sampler:
 ```bash
-draftsmith generate BUNDLE/draft --target {target_ref} -k {k} \\
+draftsmith generate draft --target "$TARGET" -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
 """
 
 
-def feature_card(name: str, target_ref: str, spec: dict, hub_id: str | None = None) -> str:
+def feature_card(name: str, target_name: str, spec: dict, hub_id: str | None = None, copied: bool = False) -> str:
     """The independent draft's card with its Use section for a feature draft: no transformers path."""
     k = spec["recommended_k"]
     s = spec["sampling"]
-    card = model_card(name, target_ref, spec, hub_id)
+    card = model_card(name, target_name, spec, hub_id, copied)
     head = card[: card.index("## Use")]
     return head.replace("a draft model for", "a feature draft (EAGLE-3) for") + f"""## Use
+{target_note(target_name, hub_id, copied)}
+
 This draft is one decoder layer that reads the target's hidden states (layers
 {spec.get('feature_layers')}, fused) with the next token's embedding: it cannot run alone, and transformers has no
 EAGLE path (its assisted generation takes an independent draft), so there is no transformers recipe here.
+`draft/config.json` is vLLM's and SGLang's `LlamaForCausalLMEagle3` config (with its `d2t` map in the weights)
+and a speculators eagle3 config, whose verifier is `{verifier_name(target_name, copied)}`.
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-draftsmith generate BUNDLE/draft --target {target_ref} -k {k} \\
+draftsmith generate draft --target "$TARGET" -k {k} \\
     --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
 ```
-vLLM (`draft/config.json` is vLLM's `LlamaForCausalLMEagle3` config and the weights use its names; see
-`vllm_speculative_config.json`):
+vLLM (`vllm_speculative_config.json`):
 ```bash
-vllm serve {target_ref} --speculative-config "$(cat BUNDLE/vllm_speculative_config.json)"
+vllm serve "$TARGET" --speculative-config "$(cat vllm_speculative_config.json)"
+```
+SGLang (`{SGLANG_CONFIG}`):
+```bash
+python -m sglang.launch_server --model-path "$TARGET" {sglang_flags(sglang_config(True, k))}
 ```
 """
 
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,
-           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8), device=None) -> Path:
+           max_new_tokens=64, seed=0, dtype="auto", ks=(1, 2, 3, 4, 5, 6, 7, 8), device=None, engines=(),
+           sweep_temperature=0.0, sweep_prompts=4, sweep_tokens=32) -> Path:
     """`device`: where the pair is measured (default: the GPU where there is one): the card's c, v(K) and
-    recommended K are figures of that device, and the card says which."""
+    recommended K are figures of that device, and the card says which. `engines`: each also timed at K = 1..4
+    (`deploy/ksweep.py`, at `sweep_temperature`, `sweep_prompts` code prompts of `sweep_tokens` tokens), its
+    fastest K written into its config."""
     src, target_name, sampler = locate(Path(src), target_arg)
     out = Path(out).resolve()
     target_dir = resolve(target_name)
@@ -226,31 +267,45 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             save_draft(model, draft_tok, ddir, head_tokens=head)
             if feature:  # one config.json that vLLM, SGLang and the speculators format all read
                 cfg = json.loads((ddir / "config.json").read_text())
-                verifier = str(out / "target") if copy_target else str(target_dir)
+                verifier = verifier_name(target_name, copy_target)
                 cfg.update(speculators_fields(cfg, verifier, target.config.architectures, k_rec))
                 (ddir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
             counts = token_counts_file(src.parent.parent / "best_draft" if src.suffix == ".ckpt" else src)
             if counts.is_file():  # lets `--draft-vocab N` prune the head of the exported draft
                 (ddir / TOKEN_COUNTS).parent.mkdir(exist_ok=True)
                 shutil.copy(counts, ddir / TOKEN_COUNTS)
-            # Engines need a path or a hub id, not our alias: the local checkpoint (or the bundle's copy).
-            target_ref = str(target_dir)
             hub_id = getattr(ALIASES.get(target_name), "hub_id", None)
             if copy_target:
                 shutil.copytree(target_dir, tmp / "target")
-                target_ref = "BUNDLE/target"
-            ref = {"name": target_name, "path": str(target_dir) if not copy_target else "target",
+            # no path of this machine: the draft and a copied target are named relative to the bundle's folder (the
+            # card's commands run there); a target not copied by the name it was given (resolved again on the
+            # serving host, or set there through the card's TARGET)
+            ref = {"name": target_name, "path": "target" if copy_target else None,
                    "config_sha256": files_sha256(target_dir, ["config.json"]),
                    "tokenizer_sha256": files_sha256(target_dir, TOKENIZER_FILES),
                    "architectures": target.config.architectures, "hub_id": hub_id}
             (tmp / "target.json").write_text(json.dumps(ref, indent=2))
             (tmp / "vllm_speculative_config.json").write_text(json.dumps(
-                {"method": "eagle3" if feature else "draft_model", "model": str(out / "draft"),
+                {"method": "eagle3" if feature else "draft_model", "model": "draft",
                  "num_speculative_tokens": k_rec}, indent=2))
+            (tmp / SGLANG_CONFIG).write_text(json.dumps(sglang_config(feature, k_rec), indent=2))
+            if engines:
+                from draftsmith.deploy.bundle import Bundle
+                from draftsmith.deploy.ksweep import sweep, write_engine_k
+
+                here = Bundle(tmp, spec, tmp / "target" if copy_target else target_dir, tmp / "draft")
+                spec["engine_k"] = {e: sweep(here, e, temperature=sweep_temperature, n_prompts=sweep_prompts,
+                                             max_new_tokens=sweep_tokens) for e in engines}
+                write_engine_k(tmp, spec["engine_k"])
             spec["files"] = bundle_hashes(tmp)  # `draftsmith deploy-check` refuses a bundle edited after export
             (tmp / "speculative.json").write_text(json.dumps(spec, indent=2))
             card = feature_card if feature else model_card
-            (tmp / "README.md").write_text(card(out.name, target_ref, spec, hub_id))
+            text = card(out.name, target_name, spec, hub_id, copy_target)
+            if spec.get("engine_k"):
+                from draftsmith.deploy.ksweep import card_section
+
+                text = text.replace("## Use", card_section(spec["engine_k"], spec["predicted_speedup"]) + "\n## Use", 1)
+            (tmp / "README.md").write_text(text)
             card_plot(spec, tmp / CARD_PLOT)
             reload_check(tmp, target, target_tok, spec, sampler)
             # two renames: at every moment the destination holds the previous bundle whole or the new one whole
@@ -262,6 +317,31 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+SGLANG_CONFIG = "sglang_speculative_config.json"
+
+
+def sglang_config(feature: bool, k: int) -> dict:
+    """SGLang's server arguments for the bundle's draft (`python -m sglang.launch_server --model-path TARGET` plus
+    each key as a --flag): STANDALONE runs an independent draft (an ordinary causal LM), EAGLE3 a feature head
+    (`draft/config.json` is its `LlamaForCausalLMEagle3`). One chain of K drafts (topk 1), K+1 tokens verified."""
+    return {"speculative_algorithm": "EAGLE3" if feature else "STANDALONE", "speculative_draft_model_path": "draft",
+            "speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
+
+
+def sglang_flags(cfg: dict) -> str:
+    """The config as the command line's flags, in its order."""
+    return " ".join(f"--{key.replace('_', '-')} {value}" for key, value in cfg.items())
+
+
+def verifier_name(target_name: str, copied: bool) -> str:
+    """The feature config's verifier (speculators' `name_or_path`): the copied target relative to the bundle's
+    folder, else the target's hub id where its alias has one (named so by the card, which says the draft was
+    measured against the local copy), else the name it was exported with."""
+    if copied:
+        return "target"
+    return getattr(ALIASES.get(target_name), "hub_id", None) or target_name
 
 
 def speculators_fields(cfg: dict, verifier: str, verifier_architectures: list[str], k: int) -> dict:
@@ -358,6 +438,9 @@ def main(argv=None, prog=None) -> int:
                     help="precision of both models (auto: the faster one for decoding on this machine, measured)")
     ap.add_argument("--device", default=default_device(),
                     help="where the pair is measured, the device the bundle will serve on (default: %(default)s)")
+    ap.add_argument("--engines", nargs="+", default=[], choices=list(ENGINES), metavar="ENGINE",
+                    help="also time the bundle at K = 1..4 in each engine named (draftsmith, transformers, vllm, "
+                         "llamacpp), greedy, and write the fastest K into its config (opt-in: minutes per engine)")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the bundle as an artifact of the run's W&B run (a run that logged to W&B; off by "
                          "default, so exporting needs none of the trainer's packages)")
@@ -365,16 +448,18 @@ def main(argv=None, prog=None) -> int:
     try:
         out = export(args.src, args.out, target_arg=args.target, copy_target=args.copy_target,
                      prompt_sets=args.prompt_sets, n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens,
-                     dtype=args.dtype, device=args.device)
+                     dtype=args.dtype, device=args.device, engines=tuple(args.engines))
     except ValueError as e:  # a DraftsmithError, or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
     spec = json.loads((out / "speculative.json").read_text())
     print(f"bundle: {out}")
     for ps, r in spec["acceptance"].items():
-        print(f"  {ps:<10} alpha {r['alpha']:.3f}  tokens/call {r['tokens_per_call']:.2f}")
+        print(f"  {ps:<10} {TAU} {r['tokens_per_call']:.2f}  alpha {r['alpha']:.3f}")
     print(f"  c {spec['c']:.3f}  recommended K {spec['recommended_k']} "
           f"(predicted {spec['predicted_speedup'][str(spec['recommended_k'])]:.2f}x)")
+    for name, r in spec.get("engine_k", {}).items():
+        print(f"  {name}: fastest K {r['best_k']} at T={r['temperature']:g} ({r['speedup']:.2f}x against plain)")
     run_dir = args.src if (args.src / "best_draft").is_dir() else None
     run_id = log_bundle(run_dir, out, spec) if args.wandb and run_dir is not None else None
     if run_id:

@@ -27,6 +27,7 @@ class DraftsmithEngine(InProcess):
         for job in jobs:
             g = seeded(device_of(self.target), job.seed)
             tokens, seconds, drafted, accepted = [], 0.0, 0, 0
+            counts = {"target_passes": 0, "accepted_at": [], "tested_at": []}  # our sampler's per-row counts
             for prompt in job.prompts:
                 rows = []
                 for start in range(0, job.n, self.chunk):
@@ -38,6 +39,7 @@ class DraftsmithEngine(InProcess):
                                                        k=self.k, temperature=job.temperature, top_p=job.top_p,
                                                        eos_token_id=self.eos, generator=g)
                             drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+                            _add(counts, gen.stats)
                         else:
                             gen = autoregressive_generate(self.target, ids, max_new_tokens=job.max_new_tokens,
                                                           temperature=job.temperature, top_p=job.top_p,
@@ -45,5 +47,16 @@ class DraftsmithEngine(InProcess):
                     seconds += time.perf_counter() - t0
                     rows += [t.tolist() for t in gen.tokens]
                 tokens.append(rows)
-            outs.append(Output(tokens, seconds, drafted if speculative else None, accepted if speculative else None))
+            outs.append(Output(tokens, seconds, drafted if speculative else None, accepted if speculative else None,
+                               counts if speculative else {}))
         return outs
+
+
+def _add(counts: dict, stats) -> None:
+    """Sum a generation's row loops (each a target pass of that row) and per-position counts into `counts`."""
+    counts["target_passes"] += stats.row_loops
+    for key in ("accepted_at", "tested_at"):
+        got = getattr(stats, key)
+        counts[key] += [0] * (len(got) - len(counts[key]))
+        for i, v in enumerate(got):
+            counts[key][i] += v

@@ -40,22 +40,28 @@ class TransformersEngine(InProcess):
             kw.update(do_sample=False) if job.temperature == 0 else kw.update(
                 do_sample=True, temperature=job.temperature, top_p=job.top_p, top_k=0)  # top_k: off, not HF's 50
             tokens, seconds = [], 0.0
-            for prompt in job.prompts:
-                ids = torch.tensor([prompt])
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    if speculative:
-                        rows = [self.target.generate(ids, attention_mask=torch.ones_like(ids),
-                                                     assistant_model=self.draft, **kw)[0] for _ in range(job.n)]
-                    elif job.n > 64:  # the chi-square's draws: batched (their time is not reported)
-                        many = ids.expand(job.n, -1)
-                        rows = list(self.target.generate(many, attention_mask=torch.ones_like(many), **kw))
-                    else:  # timed: one sample per call, as assisted generation must, so tokens/s compare
-                        rows = [self.target.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0]
-                                for _ in range(job.n)]
-                seconds += time.perf_counter() - t0
-                tokens.append([_until_eos(r[len(prompt):].tolist(), self.eos) for r in rows])
-            outs.append(Output(tokens, seconds))
+            # assisted generation counts nothing: we count the target's forward passes (one per verification)
+            passes = [0]
+            hook = self.target.register_forward_pre_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+            try:
+                for prompt in job.prompts:
+                    ids = torch.tensor([prompt])
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        if speculative:
+                            rows = [self.target.generate(ids, attention_mask=torch.ones_like(ids),
+                                                         assistant_model=self.draft, **kw)[0] for _ in range(job.n)]
+                        elif job.n > 64:  # the chi-square's draws: batched (their time is not reported)
+                            many = ids.expand(job.n, -1)
+                            rows = list(self.target.generate(many, attention_mask=torch.ones_like(many), **kw))
+                        else:  # timed: one sample per call, as assisted generation must, so tokens/s compare
+                            rows = [self.target.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0]
+                                    for _ in range(job.n)]
+                    seconds += time.perf_counter() - t0
+                    tokens.append([_until_eos(r[len(prompt):].tolist(), self.eos) for r in rows])
+            finally:
+                hook.remove()
+            outs.append(Output(tokens, seconds, extra={"target_passes": passes[0]} if speculative else {}))
         return outs
 
 

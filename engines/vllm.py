@@ -251,6 +251,7 @@ class VllmEngine(Engine):
             raise DraftsmithError(why)
         self.python = python_path()
         self._version = self._build = None
+        self.k = None  # K for speculative runs; None: the bundle's (its vllm_speculative_config.json)
 
     def version(self) -> str:
         if self._version is None:
@@ -271,6 +272,8 @@ class VllmEngine(Engine):
         if speculative:  # the bundle's own draft, wherever the bundle is now (the file names where it was exported)
             spec = json.loads((self.bundle.path / "vllm_speculative_config.json").read_text())
             spec["model"] = str(self.bundle.draft_dir.resolve())
+            if self.k is not None:
+                spec["num_speculative_tokens"] = self.k
         request = {"target": str(self.bundle.target_dir), "speculative_config": spec, "dtype": self.dtype,
                    "jobs": [asdict(j) for j in jobs]}
         with tempfile.TemporaryDirectory() as tmp:

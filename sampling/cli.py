@@ -38,7 +38,8 @@ def locate_draft(path: str) -> Draft:
     p = Path(path).expanduser()
     if (p / "speculative.json").is_file() and (p / "draft").is_dir():
         spec, ref = (_json(p / name) for name in ("speculative.json", "target.json"))
-        target = str(p / "target") if ref.get("path") == "target" else ref.get("path")
+        # the copy inside the bundle, else the name it was exported with (bundles before they travelled: a folder)
+        target = str(p / "target") if ref.get("path") == "target" else ref.get("path") or ref.get("name")
         return Draft(str(p / "draft"), target, spec.get("recommended_k"), spec.get("sampling") or {},
                      spec.get("alpha"), "bundle")
     if (p / "best_draft").is_dir():

@@ -22,6 +22,7 @@ from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
+from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
@@ -143,7 +144,8 @@ def main(argv=None, prog=None) -> int:
         v = stats[key]
         if v is None or (draft is None and key in ("alpha", "alpha_analytic", "acceptance_efficiency", "draft_calls")):
             continue
-        print(f"{key:>22}: {v:.4f}" if isinstance(v, float) else f"{key:>22}: {v}")
+        label = f"{key} ({TAU})" if key == "tokens_per_call" else key
+        print(f"{label:>22}: {v:.4f}" if isinstance(v, float) else f"{label:>22}: {v}")
     if draft is not None:
         pos = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
         print(f"{'acceptance_by_position':>22}: {pos}")

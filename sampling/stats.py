@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# the label `tokens_per_call` is shown under wherever figures are compared with peers' (SpecForge, speculators, vLLM,
+# SGLang call it acceptance length, tau); the key stays `tokens_per_call`
+TAU = "acceptance length tau"
+
 
 def summary(xs) -> dict:
     """mean, std, P50, P90, P99 of a list of latencies ({} when empty)."""

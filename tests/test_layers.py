@@ -96,7 +96,7 @@ def test_the_deploy_path_loads_no_trainer():
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({TRAINER!r})))")
     deploy_path = ["draftsmith.deploy.cli", "draftsmith.sampling.generate", "draftsmith.deploy.export",
                    "draftsmith.deploy.conformance", "draftsmith.engines.vllm",
-                   "draftsmith.engines.llamacpp", "draftsmith.deploy.bundle"]
+                   "draftsmith.engines.llamacpp", "draftsmith.deploy.bundle", "draftsmith.deploy.bench.serve"]
     res = subprocess.run([sys.executable, "-c", code, *deploy_path], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]", res.stdout

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cost import expected_tokens_per_call, measure_costs, predicted_speedup
+from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import atomic_path, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
@@ -138,7 +139,7 @@ class AcceptanceCallback(L.Callback):
         log_tables(trainer.loggers, step, {
             "val/acceptance_by_position": (["step", "position", "acceptance"],
                                            [[step, i + 1, a] for i, a in enumerate(gen.stats.acceptance_by_position)]),
-            "val/tokens_per_call_by_k": (["step", "K", "tokens_per_call", "measured_k"], by_k)})
+            "val/tokens_per_call_by_k": (["step", "K", TAU, "measured_k"], by_k)})
         if self.log_samples:
             self._log_samples(trainer, module, module.sampling_draft(), gen)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
+from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import PrunedHeadDraft
@@ -88,8 +89,9 @@ def print_report(report: dict) -> None:
     s = report["sampler"]
     print(f"\nbest draft: {report['best_draft']}")
     print(f"  (checkpoint {report['best_checkpoint']}, {report['monitor']} = {report['best_score']})")
-    print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets:")
-    print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'alpha_on_target':>17}{'tok/call':>10}"
+    print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets (tau: {TAU}, "
+          "tokens per target call):")
+    print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'alpha_on_target':>17}{'tau':>10}"
           f"{'pred. speed-up':>16}")
     for name, sets in report["eval"].items():
         for ps, r in sets.items():

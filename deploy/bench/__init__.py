@@ -7,6 +7,7 @@
 - `store`: the teacher store's peak memory as the corpus grows;
 - `train-memory`: a whole training run's peak memory as its corpus grows;
 - `batching`: chat samples padded per sample against today's packing, in real tokens/s of a training step;
+- `serve`: a bundle served in an engine (ours, transformers, vLLM, llama.cpp): tau per set, the speed-up there;
 - `ablation`: the table and plot of a finished ablation multirun.
 
 Each prints its figures and writes its JSON where told; the figures that matter, with their command, machine and
@@ -21,6 +22,7 @@ BENCHES = {
     "store": ("store", "the teacher store's peak memory as the corpus grows"),
     "train-memory": ("train_memory", "a training run's peak memory as its corpus grows"),
     "batching": ("batching", "chat samples padded per sample against packing: real tokens/s of a training step"),
+    "serve": ("serve", "a bundle served in an engine: acceptance length (tau) and speed-up per set"),
     "ablation": ("ablation", "the table and plot of a finished ablation multirun"),
 }
 

@@ -36,7 +36,7 @@ from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.probs import sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
-from draftsmith.sampling.stats import summary
+from draftsmith.sampling.stats import TAU, summary
 
 DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
 
@@ -295,9 +295,9 @@ def plot(by_draft: dict, path, args):
 
 
 def print_tables(result, cost, args, full_c):
-    print(f"\nTable 1 (batch 1, K={args.k}, {args.max_new_tokens} new tokens)")
+    print(f"\nTable 1 (batch 1, K={args.k}, {args.max_new_tokens} new tokens; tau: {TAU}, tokens per target call)")
     print(f"{'domain':<9}{'ArS ms/tok':>12}{'SpS ms/tok':>12}{'speed-up':>10}{'predicted':>10}{'alpha':>7}"
-          f"{'tok/call':>9}{'same-dist p':>12}{'vs HF gen':>10}{'vs HF asst':>11}")
+          f"{'tau':>9}{'same-dist p':>12}{'vs HF gen':>10}{'vs HF asst':>11}")
     for d, r in result["table1"].items():
         a, s = r["ars_ms_per_token"], r["sps_ms_per_token"]
         print(f"{d:<9}{a['mean']:>7.1f}±{a['std']:<4.1f}{s['mean']:>7.1f}±{s['std']:<4.1f}"

@@ -29,7 +29,7 @@ from draftsmith.sampling.cost import measure_costs
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, now, seeded, write_json
 from draftsmith.sampling.precision import describe_run, run_info
-from draftsmith.sampling.stats import summary
+from draftsmith.sampling.stats import TAU, summary
 from draftsmith.train.build import truncated_target
 
 PROMPTS = [
@@ -163,8 +163,8 @@ def main(argv=None, prog=None) -> int:
 
     info = run_info(target=target, draft=first)
     print(f"\nmeasured on: {describe_run(info)}")
-    print(f"{args.target}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts")
-    print(f"{'config':<26}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tok/call':>9}")
+    print(f"{args.target}, K={args.k}, T={T}, top-p={P}, {N} new tokens, {len(prompts)} prompts; tau: {TAU}")
+    print(f"{'config':<26}{'tok/s':>8}{'ms/tok mean':>12}{'p50':>8}{'p90':>8}{'p99':>8}{'alpha':>8}{'tau':>9}")
     for c, r in rows.items():
         m = r["ms_per_token"]
         a = f"{r['alpha']:.3f}" if "alpha" in r else "-"

@@ -12,10 +12,13 @@ import time
 
 
 def counters(llm) -> dict:
-    """vLLM's own speculative-decoding counters (Prometheus), summed over the engine's life so far."""
+    """vLLM's own speculative-decoding counters (Prometheus), summed over the engine's life so far; the accepted
+    tokens at each draft position as a list (`accepted_per_pos`)."""
     out = {}
     for m in llm.get_metrics():
-        if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = [int(v) for v in m.values]
+        elif m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
                       "vllm:spec_decode_num_drafts"):
             out[m.name.split(":")[1]] = int(getattr(m, "value", 0))
     return out
@@ -42,7 +45,10 @@ def main(request_path: str, result_path: str) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         after = counters(llm)
-        delta = {k: after[k] - before.get(k, 0) for k in after}
+        delta = {k: after[k] - before.get(k, 0) for k in after if k != "accepted_per_pos"}
+        if "accepted_per_pos" in after:
+            was = before.get("accepted_per_pos") or [0] * len(after["accepted_per_pos"])
+            delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], was)]
         # progress the parent shows (the lines it passes on start with 'draftsmith: ')
         print(f"draftsmith: job {i + 1}/{len(req['jobs'])}: {len(prompts)} prompt(s) x {job['n']} in {seconds:.1f} s",
               file=sys.stderr, flush=True)

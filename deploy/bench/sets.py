@@ -1,0 +1,68 @@
+"""The evaluation sets `draftsmith bench serve` runs, each a list of conversations (role/content messages) that the
+target's chat template turns into prompts. Named for what they are, and never trained on (tests/test_sets.py):
+
+- `code`: the shipped code evaluation prompts (recipes/prompts/code.jsonl), each asked as "complete this code";
+- `math`: short arithmetic word problems written for draftsmith (recipes/prompts/math.jsonl), not GSM8K; or a file
+  the user names (`--prompts my_math.jsonl`: one JSON object a line with a `prompt` or a `messages` list);
+- `chat`: the held-out split of the ShareGPT conversations (`draftsmith.train.conversations.heldout_chat_set`), its
+  first user turn (the engine's own turn-1 answer is not fed back: every engine would then run other prompts).
+
+HumanEval, GSM8K, MT-Bench and XSum are not shipped (no registry package ships them; HumanEval and XSum are kept
+for independent checks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.prompts import PROMPTS_DIR, load_prompts
+
+SETS = ("chat", "code", "math")
+# the instruction a code opening is asked with: the chat template wants a request, not a bare opening
+CODE_ASK = "Complete this Python code:\n\n"
+
+
+def load_set(name_or_path: str, n: int) -> list[list[dict]]:
+    """The first `n` conversations of a named set, or of a JSONL file (`prompt` or `messages` per line)."""
+    if n < 1:
+        raise DraftsmithError(f"--n-prompts must be at least 1, got {n}")
+    if name_or_path == "chat":
+        return chat_set(n)
+    if name_or_path == "code":
+        return [[{"role": "user", "content": CODE_ASK + r["prompt"]}] for r in load_prompts("code", n)]
+    if name_or_path == "math":
+        return [[{"role": "user", "content": r["prompt"]}] for r in load_prompts("math", n)]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise DraftsmithError(f"no prompt set {name_or_path!r}: name one of {', '.join(SETS)} or a .jsonl file")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if rows and all(isinstance(r.get("messages"), list) for r in rows):
+        return [first_turn(r["messages"]) for r in rows[:n]]
+    return [[{"role": "user", "content": r["prompt"]}] for r in load_prompts(str(path), n)]
+
+
+def first_turn(messages: list[dict]) -> list[dict]:
+    """The conversation up to and including its first user message (a system message before it kept)."""
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            return [dict(x) for x in messages[: i + 1]]
+    raise DraftsmithError("a conversation of the set has no user message")
+
+
+def chat_set(n: int) -> list[list[dict]]:
+    """The held-out chat conversations' first turns; refused in one line where the chat data is not part of this
+    draftsmith (it comes with the chat-data work: `draftsmith.train.conversations`)."""
+    try:
+        from draftsmith.train.conversations import heldout_chat_set
+    except ImportError as e:
+        raise DraftsmithError(f"the chat set needs draftsmith.train.conversations ({e}): run the code and math sets "
+                              "(--prompts code math) or name a .jsonl file of messages") from None
+    return [first_turn(c) for c in heldout_chat_set(n)]
+
+
+def training_sources() -> dict[str, list[str]]:
+    """Every shipped prompt file that training reads (the data recipes' prompt files), by file name."""
+    return {p.name: [r["prompt"] for r in load_prompts(str(p))] for p in sorted(PROMPTS_DIR.glob("*.jsonl"))
+            if p.stem in ("train", "broad")}

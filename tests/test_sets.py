@@ -1,0 +1,70 @@
+"""The sets `draftsmith bench serve` measures on: named for what they are, of fixed sizes, and never trained on."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from draftsmith.deploy.bench.sets import CODE_ASK, chat_set, load_set, training_sources
+from draftsmith.sampling.errors import DraftsmithError
+
+
+def words(text: str) -> list[str]:
+    return " ".join(text.split()).split(" ")
+
+
+def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    """Runs of n words: a prompt pasted into a longer training prompt shares them, whitespace aside."""
+    w = words(text)
+    return {tuple(w[i: i + n]) for i in range(max(1, len(w) - n + 1))}
+
+
+def test_no_set_overlaps_a_training_source():
+    sources = training_sources()
+    assert set(sources) == {"train.jsonl", "broad.jsonl"} and all(len(v) > 100 for v in sources.values())
+    seen = set().union(*(shingles(p) for ps in sources.values() for p in ps))
+    for name in ("code", "math"):
+        for conv in load_set(name, 100):
+            text = conv[-1]["content"].removeprefix(CODE_ASK)
+            assert not shingles(text) & seen, f"{name}: {text[:60]!r} overlaps a training prompt"
+            assert all(text.strip() not in p for ps in sources.values() for p in ps)
+    # the code set's openings are not lifted from the standard library, the default training corpus
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    openings = {c[-1]["content"].removeprefix(CODE_ASK).strip() for c in load_set("code", 100)}
+    for path in stdlib.glob("*.py"):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not [o for o in openings if o in text], f"{path.name} holds a code-set opening"
+
+
+def test_the_overlap_check_catches_a_copied_prompt():
+    """The check above can fail: a training prompt pasted into a set, reflowed, shares its word runs."""
+    sources = training_sources()
+    planted = "  ".join(sources["broad.jsonl"][500].split()) + " and more"
+    seen = set().union(*(shingles(p) for ps in sources.values() for p in ps))
+    assert shingles(planted) & seen
+
+
+def test_sets_have_fixed_sizes_and_are_conversations(tmp_path):
+    math = load_set("math", 100)
+    assert len(math) == 20 and len(load_set("math", 5)) == 5 and len(load_set("code", 100)) == 12
+    assert all(c == [{"role": "user", "content": c[0]["content"]}] for c in math)
+    assert load_set("code", 1)[0][0]["content"].startswith(CODE_ASK + "def ")
+    own = tmp_path / "mine.jsonl"  # a user's own file: messages (first user turn kept) or prompts
+    own.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "2+2?"},
+                                            {"role": "assistant", "content": "4"}]}) + "\n")
+    assert load_set(str(own), 20) == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]]
+    with pytest.raises(DraftsmithError, match="gsm8k.*name one of chat, code, math"):
+        load_set("gsm8k", 20)
+
+
+def test_the_chat_set_is_the_held_out_conversations_or_a_clear_refusal():
+    try:
+        from draftsmith.train.conversations import heldout_chat_set  # noqa: F401
+    except ImportError:
+        with pytest.raises(DraftsmithError, match=r"chat set needs draftsmith\.train\.conversations.*--prompts code"):
+            chat_set(2)
+        return
+    convs = chat_set(3)
+    assert len(convs) == 3 and all(c[-1]["role"] == "user" for c in convs)
