@@ -59,12 +59,9 @@ def test_sets_have_fixed_sizes_and_are_conversations(tmp_path):
         load_set("gsm8k", 20)
 
 
-def test_the_chat_set_is_the_held_out_conversations_or_a_clear_refusal():
-    try:
-        from draftsmith.train.conversations import heldout_chat_set  # noqa: F401
-    except ImportError:
-        with pytest.raises(DraftsmithError, match=r"chat set needs draftsmith\.train\.conversations.*--prompts code"):
-            chat_set(2)
-        return
+def test_the_chat_set_is_the_held_out_conversations():
+    from draftsmith.train.conversations import heldout_chat_set, is_heldout
+
     convs = chat_set(3)
     assert len(convs) == 3 and all(c[-1]["role"] == "user" for c in convs)
+    assert all(is_heldout(c) for c in heldout_chat_set(3))  # the held-out split, never a training conversation

@@ -52,13 +52,10 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 
 def chat_set(n: int) -> list[list[dict]]:
-    """The held-out chat conversations' first turns; refused in one line where the chat data is not part of this
-    draftsmith (it comes with the chat-data work: `draftsmith.train.conversations`)."""
-    try:
-        from draftsmith.train.conversations import heldout_chat_set
-    except ImportError as e:
-        raise DraftsmithError(f"the chat set needs draftsmith.train.conversations ({e}): run the code and math sets "
-                              "(--prompts code math) or name a .jsonl file of messages") from None
+    """The held-out ShareGPT conversations' first turns (train/conversations.py: the split no training source reads;
+    imported here, where it is used, so that the code and math sets need no ShareGPT download)."""
+    from draftsmith.train.conversations import heldout_chat_set
+
     return [first_turn(c) for c in heldout_chat_set(n)]
 
 
