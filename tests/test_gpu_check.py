@@ -52,3 +52,30 @@ def test_the_gpu_checks_wheels_fit_a_working_tree(tmp_path):
     assert {"draftsmith", "hydra_core", "omegaconf", "deepspeed", "datasets", "transformers"} <= wheels
     assert sum(p.stat().st_size for p in tmp_path.glob("*.whl")) <= 64 * 2**20
     print(res.stdout.strip())
+
+
+def test_the_sampler_bench_measures_c_and_v_without_compile(tmp_path, capsys):
+    """The GPU check's cost rows come from `bench sampler` without --compile: every draft but the target itself gets
+    its c and v(K) measured eagerly, the paper-shaped draft among them (before, only --compile measured any)."""
+    from draftsmith.deploy.bench import sampler
+
+    out = tmp_path / "bench.json"
+    assert sampler.main(["--target", "tiny-random", "--device", "cpu", "--dtype", "fp32", "--cut-layers", "1",
+                         "--paper-draft", "--prompts", "1", "--max-new-tokens", "4", "-k", "2", "--json",
+                         str(out)]) == 0
+    costs = json.loads(out.read_text())["costs"]
+    assert set(costs) == {"cut", "paper"}
+    assert all(c["c"] > 0 and set(c["v"]) == {"1", "2"} for c in costs.values())
+    printed = capsys.readouterr().out
+    assert "ours_sps_self" in printed and "ours_sps_paper" in printed
+    assert [ln.split()[0] for ln in printed.splitlines() if " c=" in ln] == ["cut", "paper"]
+
+
+def test_the_demo_shape_is_the_demo_targets_config():
+    """`random:smollm2-135m-shape`: the demo target's shape (SmolLM2-135M-Instruct) for its c and v(K) on a GPU,
+    where its 93 MB of weights cannot be carried."""
+    from draftsmith.sampling.load import config_of
+
+    c = config_of("random:smollm2-135m-shape")
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (30, 576, 1536, 49152)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.tie_word_embeddings) == (9, 3, 64, True)
