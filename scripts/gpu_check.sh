@@ -57,13 +57,13 @@ export DRAFTSMITH_HOME=${DRAFTSMITH_HOME:-$SCRATCH/home}
 # AVX2-only CPU: DESIGN.md section 6), and runs what has no CPU path as a named stand-in.
 if [ "$DEVICE" = cuda ]; then
     TRAINER=gpu TORCH=cuda TESTS=cuda PRECISION=bf16-mixed DTYPE=bf16 BIG=random:llama3-8b-shape CUT=3
-    DEMO=random:smollm2-135m-shape PROMPTS=3 NEW=128 EXACT=speculative_generate_passes_chi_square
-    BIGTRAIN=(data.max_documents=150 data.block_size=512 data.batch_size=8 draft.draft_vocab=8192)
+    DEMO=random:smollm2-135m-shape PROMPTS=2 NEW=64 EXACT=speculative_generate_passes_chi_square
+    BIGTRAIN=(data.max_documents=40 data.block_size=512 data.batch_size=8 draft.draft_vocab=8192)
     EXPORT=()
 else
     TRAINER=cpu TORCH=cpu TESTS=meta PRECISION=32-true DTYPE=fp32 BIG=tiny-random CUT=1
     DEMO=tiny-random PROMPTS=1 NEW=8 EXACT="speculative_generate_passes_chi_square and 3-setting0-None"
-    BIGTRAIN=(data.max_documents=70 data.val_blocks=4 data.block_size=64 data.batch_size=16 draft.draft_vocab=128 draft.layers=1)
+    BIGTRAIN=(data.max_documents=12 data.val_blocks=4 data.block_size=64 data.batch_size=8 draft.draft_vocab=128 draft.layers=1)
     EXPORT=(--n-prompts 2 --max-new-tokens 16)
 fi
 # a command, not a shell function: `timeout` runs it; no progress bar (the logs keep one line an event)
@@ -77,19 +77,21 @@ print('gpu_check:', dev, '| torch', torch.__version__, '| transformers', transfo
 # step PART NAME LIMIT_S FIGURES CMD...: runs CMD under `timeout` (its log in the scratch folder, then appended,
 # tail-capped, to OUT/PART.log) and prints one line, the step, ok or FAILED and its seconds, then its figure rows
 # (the log's lines matching the extended regex FIGURES, case-insensitive). STAND_IN, when set, says why a CPU
-# stand-in runs instead of the GPU step. A step that passed into this OUT before is skipped.
-STAND_IN=""
+# stand-in runs instead of the GPU step; FRESH, a run folder that a failed earlier try may have left (its corpus and
+# settings would be taken up again) and that is removed first. A step that passed into this OUT before is skipped.
+STAND_IN="" FRESH=""
 step() {
     local part=$1 name=$2 limit=$3 figures=$4 t0=$SECONDS
     shift 4
-    if ! on "$part" && ! on "$name"; then STAND_IN=""; return 0; fi
+    if ! on "$part" && ! on "$name"; then STAND_IN="" FRESH=""; return 0; fi
     if "$PY" "$HELPER" done "$OUT/summary.json" "$name"; then
         echo "[skip] $name: passed in an earlier run (summary.json)"
-        STAND_IN=""
+        STAND_IN="" FRESH=""
         return 0
     fi
     [ -n "$STAND_IN" ] && echo "[cpu stand-in] $name: $STAND_IN"
     local log=$SCRATCH/logs/$name.log
+    [ -n "$FRESH" ] && rm -rf "$FRESH"
     timeout "$limit" "$@" > "$log" 2>&1
     local rc=$? took=$((SECONDS - t0))
     { echo "===== $name: rc=$rc, ${took}s: $*"; tail -c 2000000 "$log"; } >> "$OUT/$part.log"
@@ -103,7 +105,7 @@ step() {
         echo "[FAILED rc=$rc] $name (${took}s): $(tail -3 "$log" | tr '\n' ' ' | cut -c1-400)"; failed=1
     fi
     [ -n "$rows" ] && sed 's/^/    /' <<< "$rows"
-    STAND_IN=""
+    STAND_IN="" FRESH=""
     return $rc
 }
 on() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -121,8 +123,10 @@ step a costs_demo 180 "^ours_| c=" "$PY" -m draftsmith.deploy.cli bench sampler 
     --dtype $DTYPE --cut-layers 3 --no-self-draft --prompts 1 --max-new-tokens $NEW --json "$SCRATCH/costs_demo.json"
 # part b
 REPORT="^  [a-z_0-9]+ +[a-z_]+ +[0-9.]+ +[0-9.]+|c = |throughput|peak GPU"  # the run's acceptance table and costs
+FRESH=$SCRATCH/runs/smoke
 step b smoke 240 "$REPORT" "${TRAIN[@]}" recipe=smoke trainer=$TRAINER trainer.devices=1 trainer.precision=$PRECISION \
     hydra.run.dir="$SCRATCH/runs/smoke"
+FRESH=$SCRATCH/runs/smoke_bundle
 step b smoke_export 180 "alpha|recommended|c = |c=" "$PY" -m draftsmith.deploy.cli export "$SCRATCH/runs/smoke" \
     --out "$SCRATCH/runs/smoke_bundle" --device $TORCH "${EXPORT[@]}"
 # the default recipe's draft (3 layers copied from the target, its width, a pruned head) against every layer of
@@ -130,6 +134,7 @@ step b smoke_export 180 "alpha|recommended|c = |c=" "$PY" -m draftsmith.deploy.c
 # with the target's pass, the second reads the kept logits
 SHAPE=(recipe=shallow_wide target.name="$BIG" data=fixed "${BIGTRAIN[@]}" trainer=$TRAINER trainer.devices=1)
 step b plan_8b 120 "draft:|total|GiB" "${TRAIN[@]}" "${SHAPE[@]}" plan=true hydra.run.dir="$SCRATCH/runs/plan8b"
+FRESH=$SCRATCH/runs/train8b
 step b train_8b 330 "$REPORT" "${TRAIN[@]}" "${SHAPE[@]}" +trainer.max_epochs=2 trainer.max_steps=-1 \
     trainer.max_time=00:00:04:00 trainer.log_every_n_steps=1 trainer.val_check_interval=100000 \
     sampler.on_target_prompts=2 sampler.n_prompts=2 eval.n_prompts=2 eval.baseline=false \
@@ -138,6 +143,7 @@ step b visits_8b 60 "tokens/s" "$PY" "$HELPER" visits "$SCRATCH/runs/train8b"
 # part c (optional)
 if [ "$DEVICE" = cuda ]; then
     for s in deepspeed_stage_2 deepspeed_stage_3 fsdp; do
+        FRESH=$SCRATCH/runs/$s
         step c "$s" 240 "$REPORT" "${TRAIN[@]}" recipe=smoke trainer=$s trainer.devices=1 \
             trainer.max_steps=20 trainer.val_check_interval=10 hydra.run.dir="$SCRATCH/runs/$s" \
         && step c "${s}_resume" 240 "$REPORT" "${TRAIN[@]}" recipe=smoke trainer=$s \
@@ -146,6 +152,7 @@ if [ "$DEVICE" = cuda ]; then
     done
 else
     STAND_IN="Lightning refuses DeepSpeed and FSDP without CUDA: DDP on 2 gloo processes, 20 steps then a resume"
+    FRESH=$SCRATCH/runs/ddp
     step c ddp 300 "$REPORT" "${TRAIN[@]}" recipe=smoke trainer=ddp trainer.max_steps=20 \
         trainer.val_check_interval=10 hydra.run.dir="$SCRATCH/runs/ddp" \
     && step c ddp_resume 300 "$REPORT" "${TRAIN[@]}" recipe=smoke trainer=ddp \
