@@ -4,8 +4,9 @@
     python3 scripts/gpu_image.py carried DIR    # what draftsmith needs there that the image lacks, by pip's resolver
 
 The copy differs from the image where this machine cannot follow it: GPU_IMAGE_PYTHON (default python3.11) stands in
-for its Python 3.12, torch 2.13.0+cpu for its CUDA torch, and triton is left out. `carried` prints one line a
-package, `wheel NAME==VERSION` (published as a wheel) or `source NAME==VERSION` (published as source only: to build).
+for its Python 3.12, torch 2.13.0+cpu for its CUDA torch; triton and the CUDA libraries (nvidia-*, cuda-*) are
+left out. `carried` prints one line a package, `wheel NAME==VERSION` (published as a wheel) or `source NAME==VERSION`
+(published as source only: to build).
 The resolver keeps every image package at the image's version unless draftsmith's own requirements exclude that
 version (transformers 5.17.0 against >=5.24): those, and what they need, are what the image lacks. Needs `packaging`
 beside the standard library (the dev extras and the image have it).
@@ -24,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = ROOT / "scripts" / "gpu_image.txt"
 STAND_INS = {"torch": "torch==2.13.0+cpu", "triton": None}  # None: left out of the copy
+CUDA_ONLY = ("nvidia-", "cuda-")  # a real freeze's CUDA libraries (GBs): only its CUDA torch loads them
 # extras of draftsmith the GPU check runs with, and what it leaves out of them: it logs to CSV (no W&B) and sweeps
 # nothing (no Optuna)
 EXTRAS = ("train", "deepspeed")
@@ -46,6 +48,8 @@ def copy_lines() -> list[str]:
     out = []
     for ln in image_lines():
         name = _name(ln)
+        if name.startswith(CUDA_ONLY):
+            continue
         if name in STAND_INS:
             if STAND_INS[name]:
                 out.append(STAND_INS[name])
@@ -77,7 +81,7 @@ def constraints() -> list[str]:
     out = []
     for ln in copy_lines():
         name, _, version = ln.partition("==")
-        if all(Version(version) in s for s in spec.get(_name(name), [])):
+        if version and all(Version(version) in s for s in spec.get(_name(name), [])):
             out.append(ln)
     return out
 
