@@ -65,6 +65,7 @@ ALIASES = {
     "tiny-random": _TinyRandom(),
     "llama3-70b-shape": _Shape("llama3-70b"),
     "llama3-8b-shape": _Shape("llama3-8b"),
+    "smollm2-135m-shape": _Shape("smollm2-135m"),  # the demo target's shape: its c and v(K) on a GPU, no weights
 }
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what a hub target's download fetches
 RANDOM = "random:"  # `random:SHAPE[:LAYERS]`: a shape with random weights (`_materialize_random`)

@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
 # bash scripts/fetch_gpu_wheels.sh [DIR]        (here, where PyPI is reachable; DIR default .whl)
-# The wheels scripts/gpu_check.sh installs on a GPU machine that reaches no registry: what its image lacks (hydra,
-# omegaconf, datasets, deepspeed and their needs), transformers at our version, and draftsmith itself. For the
-# lent H200 (Python 3.12, x86-64, CUDA torch and lightning already there); at most 64 MiB, the files that travel
-# with a working tree to it. Prints the total.
+# The wheels scripts/gpu_check.sh installs on the GPU machine, which reaches no registry: what draftsmith needs that
+# its image (scripts/gpu_image.txt) lacks, chosen by pip's resolver in a copy of that image (scripts/gpu_image.py;
+# the copy's venv is made once, under GPU_IMAGE_VENV), and draftsmith itself, built from this working tree (the
+# GPU check refuses a draftsmith wheel that differs from the tree it runs in: fetch again after an edit). For
+# Python 3.12 on x86-64 (GPU_WHEELS_PYTHON=3.11: the image copy's own set); at most 64 MiB, what a working tree may
+# carry to the GPU machine with it. Prints the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.whl}
+PYV=${GPU_WHEELS_PYTHON:-3.12}
+VENV=${GPU_IMAGE_VENV:-${DRAFTSMITH_HOME:-$HOME/.cache/draftsmith}/gpu-image-venv}
+PY=${PYTHON:-python3}
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl
-binary=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-# binary wheels and pure ones published as wheels; the versions this project's CI installs
-python3 -m pip download -q --no-deps "${binary[@]}" -d "$DIR" \
-    "transformers==$(python3 -c 'import transformers; print(transformers.__version__)')" \
-    hydra-core==1.3.2 omegaconf==2.3.0 "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" \
-    "fsspec==2026.9.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" \
-    "typing-inspection==0.4.5" "hjson==3.1.0"
-# published as source only: built here into pure-Python wheels
-python3 -m pip wheel -q --no-deps -w "$DIR" "antlr4-python3-runtime==4.9.3" "deepspeed==0.19.8"
+"$PY" scripts/gpu_image.py venv "$VENV"
+carried=$("$PY" scripts/gpu_image.py carried "$VENV")
+wheels=$(awk '$1 == "wheel" {print $2}' <<< "$carried")
+sources=$(awk '$1 == "source" {print $2}' <<< "$carried")
+binary=(--only-binary=:all: --python-version "$PYV" --implementation cp --platform manylinux_2_28_x86_64
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64)
+# shellcheck disable=SC2086  # one requirement a word
+[ -z "$wheels" ] || "$PY" -m pip download -q --no-deps "${binary[@]}" -d "$DIR" $wheels
+# published as source only (antlr4-python3-runtime, deepspeed): built here into wheels, which are pure Python
+# shellcheck disable=SC2086
+[ -z "$sources" ] || "$PY" -m pip wheel -q --no-deps -w "$DIR" $sources
 rm -f "$DIR"/*.tar.gz
-python3 -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" .
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" .
 total=$(du -cb "$DIR"/*.whl | tail -1 | cut -f1)
-echo "fetch_gpu_wheels: $(ls "$DIR"/*.whl | wc -l) wheels, $((total / 1048576)) MiB in $DIR"
+echo "fetch_gpu_wheels: $(ls "$DIR"/*.whl | wc -l) wheels, $((total / 1048576)) MiB in $DIR (Python $PYV):" \
+     $(ls "$DIR" | sed 's/-py3.*\|-cp3.*//' | tr '\n' ' ')
 if [ "$total" -gt $((64 * 1048576)) ]; then
     echo "fetch_gpu_wheels: over the 64 MiB a working tree may carry to the GPU machine" >&2
     exit 1

@@ -1,15 +1,40 @@
-"""The GPU check as far as a CPU machine can take it: it refuses here in one line, the 8B-shape target it trains
-against is a shape with random weights, and its wheels fit what a working tree may carry to the GPU machine."""
+"""The GPU check as far as a CPU machine can take it: it refuses here in one line unless asked for its CPU dry run;
+the dry run runs its steps as the GPU machine would (commands under `timeout`, figure rows in summary.json, big
+files in a scratch folder, a rerun skipping what passed); a stale draftsmith wheel is refused; and in a copy of the
+GPU machine's image, with the wheels the resolver chose for it, the whole dry run passes."""
 
 import json
 import os
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+
+
+def run_check(out: Path, scratch: Path, steps: str | None = None, timeout: int = 600,
+              **env) -> subprocess.CompletedProcess:
+    """`GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh OUT` (the models cache shared with the other tests)."""
+    from draftsmith.sampling.machine import cache_home
+
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_SCRATCH": str(scratch),
+           "DRAFTSMITH_HOME": str(cache_home()), "GPU_CHECK_WHEELS": str(scratch / "no-wheels"), **env}
+    if steps:
+        env["GPU_CHECK_STEPS"] = steps
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def returned(out: Path) -> list[Path]:
+    """OUT as the GPU machine sends it back: at most 8 files of at most 16 MiB, nothing else."""
+    files = list(out.iterdir())
+    assert len(files) <= 8 and all(f.is_file() and f.stat().st_size <= 16 * MiB for f in files), files
+    return files
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -17,7 +42,61 @@ def test_the_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr.strip().count("\n") == 0 and "no CUDA device" in res.stderr
+    assert res.stderr.strip().count("\n") == 0
+    assert "no CUDA device" in res.stderr and "GPU_CHECK_DEVICE=cpu" in res.stderr
+
+
+def test_a_training_step_runs_under_timeout_and_out_keeps_only_logs_and_the_summary(tmp_path):
+    """The training steps run `python -m draftsmith.train.draft` (a shell function under `timeout` failed with rc 127);
+    the run itself goes to the scratch folder, OUT keeps the part's log and summary.json with the step's figure rows;
+    a rerun into the same OUT skips the step."""
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    res = run_check(out, scratch, steps="plan_8b")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "[ok] plan_8b" in res.stdout and "draft:" in res.stdout
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert list(steps) == ["plan_8b"] and steps["plan_8b"]["ok"] and steps["plan_8b"]["rows"]
+    assert sorted(f.name for f in returned(out)) == ["b.log", "summary.json"]
+    assert (scratch / "runs" / "plan8b").is_dir()
+    again = run_check(out, scratch, steps="plan_8b")
+    assert again.returncode == 0 and "[skip] plan_8b" in again.stdout and "[ok]" not in again.stdout
+
+
+def test_a_step_without_a_figure_row_fails(tmp_path):
+    """Exit 0 is not enough: a step whose log has none of its figure rows fails (the summary's case-sensitive greps
+    matched no row, and the check passed with headers only)."""
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    (scratch / "runs" / "train8b").mkdir(parents=True)  # no metrics.csv: visits_8b has no row to print
+    res = run_check(out, scratch, steps="visits_8b")
+    assert res.returncode == 1 and "[FAILED rc=1] visits_8b" in res.stdout
+    assert not json.loads((out / "summary.json").read_text())["steps"]["visits_8b"]["ok"]
+
+
+def test_a_draftsmith_wheel_from_another_tree_is_refused(tmp_path):
+    """The draftsmith wheel carried to the GPU machine is checked against the tree it runs in: an edit after
+    fetching (here: one module changed inside the wheel) is refused in one line before anything runs."""
+    src = tmp_path / "src"  # built from a copy: setuptools writes build/ and egg-info beside the sources
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "whl"), str(src)], check=True, capture_output=True)
+    wheel = next((tmp_path / "whl").glob("draftsmith-*.whl"))
+    helper = [sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), "wheel-matches"]
+    assert subprocess.run([*helper, str(wheel)]).returncode == 0
+
+    stale = tmp_path / "stale" / wheel.name
+    stale.parent.mkdir()
+    with zipfile.ZipFile(wheel) as a, zipfile.ZipFile(stale, "w") as b:
+        for item in a.infolist():
+            data = a.read(item)
+            b.writestr(item, data + b"# edited\n" if item.filename == "draftsmith/sampling/probs.py" else data)
+    bad = subprocess.run([*helper, str(stale)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "sampling/probs.py differs" in bad.stderr
+    res = run_check(tmp_path / "out", tmp_path / "scratch", GPU_CHECK_WHEELS=str(stale.parent))
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.strip().count("\n") == 0
+    assert "built from another tree" in res.stderr and "fetch_gpu_wheels.sh" in res.stderr
 
 
 def test_a_random_target_is_its_shape_with_random_weights(tmp_path, monkeypatch):
@@ -41,14 +120,85 @@ def test_a_random_target_is_its_shape_with_random_weights(tmp_path, monkeypatch)
         load.resolve("random:tiny-shape:x")
 
 
+def test_the_sampler_bench_measures_c_and_v_without_compile(tmp_path, capsys):
+    """The GPU check's cost rows come from `bench sampler` without --compile: every draft but the target itself gets
+    its c and v(K) measured eagerly, the paper-shaped draft among them (before, only --compile measured any)."""
+    from draftsmith.deploy.bench import sampler
+
+    out = tmp_path / "bench.json"
+    assert sampler.main(["--target", "tiny-random", "--device", "cpu", "--dtype", "fp32", "--cut-layers", "1",
+                         "--paper-draft", "--n-prompts", "1", "--max-new-tokens", "4", "-k", "2", "--json",
+                         str(out)]) == 0
+    costs = json.loads(out.read_text())["costs"]
+    assert set(costs) == {"cut", "paper"}
+    assert all(c["c"] > 0 and set(c["v"]) == {"1", "2"} for c in costs.values())
+    printed = capsys.readouterr().out
+    assert "ours_sps_self" in printed and "ours_sps_paper" in printed
+    assert [ln.split()[0] for ln in printed.splitlines() if " c=" in ln] == ["cut", "paper"]
+
+
+def test_the_demo_shape_is_the_demo_targets_config():
+    """`random:smollm2-135m-shape`: the demo target's shape (SmolLM2-135M-Instruct) for its c and v(K) on a GPU,
+    where its 93 MB of weights cannot be carried."""
+    from draftsmith.sampling.load import config_of
+
+    c = config_of("random:smollm2-135m-shape")
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (30, 576, 1536, 49152)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.tie_word_embeddings) == (9, 3, 64, True)
+
+
+STEPS = {"devices", "exactness", "costs_8b", "costs_demo", "smoke", "smoke_export", "plan_8b", "train_8b", "visits_8b"}
+
+
 @pytest.mark.slow
-def test_the_gpu_checks_wheels_fit_a_working_tree(tmp_path):
-    """scripts/fetch_gpu_wheels.sh (from PyPI): every wheel for Python 3.12 on x86-64, draftsmith's own among them,
-    64 MiB at most together."""
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_gpu_wheels.sh"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=900, env=dict(os.environ))
-    assert res.returncode == 0, res.stderr[-2000:]
-    wheels = {p.name.split("-")[0].lower() for p in tmp_path.glob("*.whl")}
-    assert {"draftsmith", "hydra_core", "omegaconf", "deepspeed", "datasets", "transformers"} <= wheels
-    assert sum(p.stat().st_size for p in tmp_path.glob("*.whl")) <= 64 * 2**20
-    print(res.stdout.strip())
+def test_the_dry_run_passes_in_a_copy_of_the_gpu_image(tmp_path):
+    """The GPU machine's image copied (scripts/gpu_image.txt in a venv of its own, made once; Python 3.11 and torch
+    2.13 CPU standing in for its 3.12 and CUDA torch), the wheels the resolver chose against it (for 3.12: what is
+    carried, 64 MiB at most with the tree; for 3.11: what is installed here), installed as the GPU machine must
+    (--no-index --no-deps --target, then PYTHONPATH), imported, and the whole CPU dry run run there: every step
+    passes with figure rows, OUT is what comes back from the machine, and a rerun skips every step."""
+    from draftsmith.sampling.machine import cache_home
+
+    venv = Path(os.environ.get("GPU_IMAGE_VENV") or cache_home() / "gpu-image-venv")
+    env = dict(os.environ, GPU_IMAGE_VENV=str(venv))
+    sets = {}
+    for pyv in ("3.12", "3.11"):
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_gpu_wheels.sh"), str(tmp_path / pyv)],
+                             capture_output=True, text=True, timeout=900, env=dict(env, GPU_WHEELS_PYTHON=pyv))
+        assert res.returncode == 0, res.stderr[-3000:]
+        sets[pyv] = sorted((tmp_path / pyv).glob("*.whl"))
+        print(res.stdout.strip())
+    carried = {p.name.split("-")[0].lower() for p in sets["3.12"]}
+    assert {"draftsmith", "transformers", "hydra_core", "omegaconf", "datasets", "deepspeed"} <= carried
+    # the image's own stay: transformers must be one that imports with its huggingface_hub 1.33.0
+    assert not carried & {"huggingface_hub", "torch", "lightning", "tokenizers", "wandb"}, carried
+    tree = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    tree_bytes = sum((ROOT / f).stat().st_size for f in filter(None, tree.split("\0")) if (ROOT / f).is_file())
+    assert sum(p.stat().st_size for p in sets["3.12"]) + tree_bytes <= 64 * MiB
+
+    python = venv / "bin" / "python"
+    site = tmp_path / "site"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
+                    *map(str, sets["3.11"])], check=True, capture_output=True)
+    probe = subprocess.run([str(python), "-c", "import draftsmith.sampling, draftsmith.train, draftsmith.deploy, "
+                            "draftsmith.train.draft, transformers, huggingface_hub as h; "
+                            "print(draftsmith.sampling.__file__, transformers.__version__, h.__version__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)))
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    where, transformers_version, hub_version = probe.stdout.split()
+    assert where.startswith(str(site)) and transformers_version.startswith("5.24") and hub_version == "1.33.0"
+
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    res = run_check(out, scratch, timeout=900, PYTHON=str(python), GPU_CHECK_WHEELS=str(tmp_path / "3.11"))
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "transformers 5.24" in res.stdout.splitlines()[0]
+    assert "[cpu stand-in] devices:" in res.stdout
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert set(steps) == STEPS and all(s["ok"] and s["rows"] for s in steps.values())
+    assert any(" c=" in r for r in steps["costs_8b"]["rows"])
+    assert any("ours_ars" in r for r in steps["costs_8b"]["rows"])
+    assert any("revisits" in r for r in steps["visits_8b"]["rows"])
+    assert sorted(f.name for f in returned(out)) == ["a.log", "b.log", "summary.json"]
+    again = run_check(out, scratch, timeout=300, PYTHON=str(python), GPU_CHECK_WHEELS=str(tmp_path / "3.11"))
+    assert again.returncode == 0 and again.stdout.count("[skip]") == len(STEPS) and "[ok]" not in again.stdout

@@ -78,9 +78,12 @@ def log_config(loggers: list, cfg, **extra) -> None:
 
 def log_tables(loggers: list, step: int, tables: dict[str, tuple[list[str], list[list]]]) -> None:
     """{key: (columns, rows)} as W&B tables at `step` (validation's acceptance by position, tokens per call by K)."""
+    runs = wandb_runs(loggers)
+    if not runs:  # wandb is imported only for a W&B logger: a run with logger=csv needs no wandb installed
+        return
     import wandb
 
-    for run in wandb_runs(loggers):
+    for run in runs:
         # W&B's own step is Lightning's business (it logs `trainer/global_step` beside each metric); a step= here
         # behind W&B's would drop the tables
         run.log({**{k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in tables.items()},
@@ -89,9 +92,12 @@ def log_tables(loggers: list, step: int, tables: dict[str, tuple[list[str], list
 
 def log_draft(loggers: list, draft_dir: Path, metadata: dict) -> None:
     """The best draft as a W&B model artifact of the run (alias `best`): the run's files and its model together."""
+    runs = wandb_runs(loggers)
+    if not runs:  # as in log_tables: no W&B logger, no wandb import
+        return
     import wandb
 
-    for run in wandb_runs(loggers):
+    for run in runs:
         art = wandb.Artifact(f"draft-{run.id}", type="model", metadata=metadata)
         art.add_dir(str(draft_dir))
         run.log_artifact(art, aliases=["best"])

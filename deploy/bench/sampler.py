@@ -3,13 +3,17 @@
     draftsmith bench sampler --target smollm2-135m             # the demo target, self-draft + 4-layer cut draft
     draftsmith bench sampler RUN_OR_BUNDLE --n-prompts 6 --max-new-tokens 128 --json bench.json
     draftsmith bench sampler --target smollm2-135m --compile --no-self-draft   # + our compiled decoding, c and v(K)
+    draftsmith bench sampler --target random:llama3-8b-shape --cut-layers 3 --paper-draft   # + a paper-shaped draft
 
 Rows: our ArS vs transformers `generate` (the baseline every speed-up is quoted against must not be slow),
 and our SpS vs transformers assisted generation (`assistant_model=`, constant K, no confidence cut-off) with
 the same draft. EOS is suppressed so every run produces exactly max_new_tokens. Each prompt runs every
 configuration once, in a shuffled order; ratios are medians over prompts of per-prompt time ratios.
-With --compile, our loops also run compiled (`compile=True`): every step shape is compiled by a warm-up run
-before any timing (the compile times are printed), and c and v(K) are measured eager and compiled.
+The cost model (c and v(K)) of every draft but the target itself is measured eagerly; with --compile, our loops
+also run compiled (`compile=True`): every step shape is compiled by a warm-up run before any timing (the compile
+times are printed), and c and v(K) are measured compiled too. --paper-draft adds the paper's draft shape for the
+target (a tenth of its depth, three quarters of its width, `DraftConfig`'s defaults) with random weights: its
+alpha means nothing, its c is what a trained draft of that shape costs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--cut-layers", type=int, default=4)
     ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the target as its own draft (alpha ~1): isolates each sampler's machinery")
+    ap.add_argument("--paper-draft", action="store_true",
+                    help="also run a random draft of the paper's shape for the target (its c and v(K); alpha ~0)")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--n-prompts", type=int, default=4, help="prompts timed (each runs every configuration)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -82,6 +88,10 @@ def main(argv=None, prog=None) -> int:
     first = (load_model(args.draft, args.dtype, device=args.device) if args.draft
              else truncated_target(target, args.cut_layers).to(target.dtype).eval().requires_grad_(False))
     drafts = {"draft" if args.draft else "cut": first}
+    if args.paper_draft:
+        from draftsmith.train.build import DraftConfig, build_draft
+
+        drafts["paper"] = build_draft(target, DraftConfig()).to(target.dtype).eval().requires_grad_(False)
     if args.self_draft:
         drafts["self"] = target
     for d in drafts.values():
@@ -118,10 +128,11 @@ def main(argv=None, prog=None) -> int:
         for c in configs:  # compiled configs compile every shape they meet here, outside the timing
             if c.endswith("_compiled"):
                 configs[c](warm, seeded(warm.device, 0))
-        if args.compile:
+        for name, d in drafts.items():
+            if d is target:  # c = 1 by definition
+                continue
             for suffix, comp in modes.items():
-                costs[f"{next(iter(drafts))}{suffix}"] = measure_costs(target, first, ks=range(1, args.k + 1),
-                                                                       compile=comp)
+                costs[f"{name}{suffix}"] = measure_costs(target, d, ks=range(1, args.k + 1), compile=comp)
         for i, prompt in enumerate(prompts):
             ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
             order = list(configs)
@@ -178,12 +189,11 @@ def main(argv=None, prog=None) -> int:
         print("\ncompile time of each step shape (seconds, once per process):")
         for r in compile_report():
             print(f"  {r['model']:<36} {r['rows']} x {r['tokens']:<3} tokens {r['compile_s']:>7.1f}")
-        print(f"\ncost model of draft {next(iter(drafts))}: c = draft step / target step, "
-              "v(K) = (K+1)-token pass / 1-token pass")
-        for name, cost in costs.items():
-            vs = "  ".join(f"v({kk})={v:.2f}" for kk, v in cost["v"].items())
-            print(f"  {name:<16} target {cost['target_ms']:6.1f} ms  draft {cost['draft_ms']:6.1f} ms  "
-                  f"c={cost['c']:.3f}  {vs}")
+    print("\ncost model of each draft: c = draft step / target step, v(K) = (K+1)-token pass / 1-token pass")
+    for name, cost in costs.items():
+        vs = "  ".join(f"v({kk})={v:.2f}" for kk, v in cost["v"].items())
+        print(f"  {name:<16} target {cost['target_ms']:6.1f} ms  draft {cost['draft_ms']:6.1f} ms  "
+              f"c={cost['c']:.3f}  {vs}")
     result = {"args": vars(args), **info, "rows": rows, "ratios": ratios, "costs": costs,
               "compile_report": compile_report()}
     if args.json:
