@@ -294,7 +294,8 @@ def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
     src = _write_jsonl(tmp_path / "chat.jsonl", rows)
     env = dict(__import__("os").environ, DRAFTSMITH_HOME=str(tmp_path / "home"))
     common = ["recipe=smoke", f"target.name={target}", "data=chat", f"data.source={src}", "data.turn_max_new_tokens=8",
-              "data.batch_size=2", "sampler.n_prompts=2", "sampler.on_target_prompts=2"]
+              "data.batch_size=2", "sampler.n_prompts=2", "sampler.on_target_prompts=2",
+              f"data.cache_dir={tmp_path / 'shared'}"]  # storage every node reads, as a cluster's runs name it
     cli = [sys.executable, "-m", "draftsmith.deploy.cli"]
     res = subprocess.run([*cli, "data", *common, f"hydra.run.dir={tmp_path / 'data'}", "--show", "2"],
                          capture_output=True, text=True, env=env, timeout=600)
@@ -302,6 +303,8 @@ def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
     for kind in ("unparseable JSON", "unknown role", "no assistant turn"):
         assert f"skipped 1 conversation ({kind})" in res.stderr
     assert "regeneration:" in res.stderr and res.stdout.count("--- sample") == 2 and "⟦" in res.stdout
+    assert len(list((tmp_path / "shared" / "chat").glob("*.jsonl"))) == 1  # under data.cache_dir, not the home
+    assert not (tmp_path / "home" / "chat").exists()
     res = subprocess.run([*cli, "train", *common, f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -459,7 +462,7 @@ def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, lla
     def no_target():
         raise AssertionError("data.regenerate=false must not load the target")
 
-    record = prepare(cfg, llama3_tok, no_target)
+    record = prepare(cfg, llama3_tok, no_target, tmp_path / "corpus")
     blocks = chat_blocks(cfg, llama3_tok, record)
     ids, _ = blocks["prompts"]
     held = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for r in ids.tolist()}

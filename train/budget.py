@@ -43,6 +43,8 @@ def check_recipe(cfg, recipe: str | None = None) -> None:
     if hardware == "gpu" and OmegaConf.is_missing(cfg.target, "name"):
         raise DraftsmithError(f"{name} needs the target you train a draft for: add target.name=HUB_ID_OR_DIR "
                               "(e.g. meta-llama/Llama-3.1-8B-Instruct)")
+    if sized.get("refused") and not cfg.get("plan"):  # its plan still prints: it says why
+        raise DraftsmithError(f"{name} cannot run yet: {sized.refused} (draftsmith plan {name} shows its memory)")
 
 
 def samples(cfg) -> int | None:

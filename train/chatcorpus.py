@@ -11,8 +11,9 @@
   by data.generated.max_minutes, a full disk said in one line with nothing written lost.
 - `data.regenerate=false`: the conversations as they are (already the target's own answers, or the data to
   imitate); the target's logits come from its pass in each training step.
-The corpus is keyed by a fingerprint of the source's files, the tokenizer and these settings, under
-$DRAFTSMITH_HOME/chat (`chat_path`), so `train` finds what `data` prepared.
+The corpus is keyed by a fingerprint of the source's files, the tokenizer and these settings, under the run's corpus
+folder (`chat_path`: data.cache_dir, else $DRAFTSMITH_HOME, or the run dir every node reads on several nodes; as
+the generated corpus), so `train` finds what `data` prepared.
 """
 
 from __future__ import annotations
@@ -62,10 +63,9 @@ def _hash(c: Conversation) -> bytes:
     return hashlib.sha256(" ".join(first.split()).encode()).digest()
 
 
-def chat_path(cfg, tok) -> Path:
-    """Where the regenerated conversations of these settings are kept (their fingerprint)."""
-    from draftsmith.sampling.machine import cache_home
-
+def chat_path(cfg, tok, home: Path) -> Path:
+    """Where the regenerated conversations of these settings are kept under the corpus folder `home` (their
+    fingerprint)."""
     d, s = cfg.data, cfg.sampler
     h = hashlib.sha256()
     for f in source_files(d.source):
@@ -74,17 +74,18 @@ def chat_path(cfg, tok) -> Path:
     h.update(json.dumps([d.source, dict(d.get("fields") or {}), d.enable_thinking, d.max_turns, d.turn_max_new_tokens,
                          d.block_size, d.max_documents, s.temperature, s.top_p, cfg.seed, cfg.target.name,
                          tok.chat_template]).encode())
-    return cache_home() / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}.jsonl"
+    return Path(home) / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}.jsonl"
 
 
-def prepare(cfg, tok, teacher, progress: bool = True) -> dict:
-    """The corpus record (as train/data.py `prepared_once` keeps it): the regenerated file, or the source as is."""
+def prepare(cfg, tok, teacher, home: Path, progress: bool = True) -> dict:
+    """The corpus record (as train/data.py `prepared_once` keeps it): the regenerated file under the corpus folder
+    `home`, or the source as is."""
     d = cfg.data
     if not d.regenerate:
         return {"source": d.source, "documents": d.max_documents, "rows": None, "format": "chat",
                 "enable_thinking": d.enable_thinking}
     train, _ = split(cfg)
-    path = chat_path(cfg, tok)
+    path = chat_path(cfg, tok, home)
     g = cfg.data.generated
     regenerate(teacher(), tok, train, path, enable_thinking=d.enable_thinking, max_turns=d.max_turns,
                max_new_tokens=d.turn_max_new_tokens, batch_size=g.batch_size, temperature=cfg.sampler.temperature,

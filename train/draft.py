@@ -124,8 +124,9 @@ def train(cfg: DictConfig) -> dict:
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
     chat = cfg.data.get("format") == "chat"  # conversations, one a sample (train/chatcorpus.py)
-    data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher) if chat else _prepare_corpus(
-        cfg, teacher, tok, file_prompts, target_config, _corpus_dir(cfg, out_dir, launch)),
+    data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch))
+                         if chat else _prepare_corpus(cfg, teacher, tok, file_prompts, target_config,
+                                                      _corpus_dir(cfg, out_dir, launch)),
                          _corpus_wait_s(cfg), launch)
     if launch.first:
         teacher()
@@ -364,7 +365,7 @@ def _prepare_only(cfg, tok, file_prompts, out_dir: Path, launch: Launch) -> dict
         print(f"draftsmith: the corpus is ready: {record['rows']} samples in {record['source']}; draftsmith train "
               "with the same overrides uses it", flush=True)
         return record
-    record = chatcorpus.prepare(cfg, tok, teacher)
+    record = chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch))
     blocks = chatcorpus.chat_blocks(cfg, tok, record)
     n = sum(len(b["ids"]) for b in blocks["train"])
     print(f"draftsmith: the corpus is ready: {n} conversations of {record['source']} in {len(blocks['train'])} "

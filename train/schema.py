@@ -146,6 +146,9 @@ class SizedFor:
 
     hardware: str = "any"  # any | cpu | gpu
     instead: str | None = None
+    # why no machine runs the recipe yet (its plan still prints): refused in one line before any work, so that
+    # `draftsmith data` does not sample for hours a corpus that training cannot use
+    refused: str | None = None
 
 
 @dataclass
