@@ -35,7 +35,9 @@ LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base",
 ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): engines/workers/vllm_judge.py "
                      "and vllm_corpus.py run there"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
-LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained"}
+LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained",
+        ("scripts/gpu_image.py", "packaging"): "constraints(): the image copy, built by the dev tests (or by hand "
+                                               "beside the dev extras) and on the GPU image, which has it"}
 # declared, imported by no file of the repository
 USED_WITHOUT_IMPORT = {"accelerate": "transformers dequantizes a GGUF target with it",
                        "hydra-optuna-sweeper": "a Hydra plugin: hparams_search=alpha_optuna"}
