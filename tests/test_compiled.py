@@ -70,6 +70,7 @@ def test_frozen_weights_are_frozen_only_in_half_precision():
     assert compiled._weights_key(model.requires_grad_(True)) is None  # may be trained: never baked in
 
 
+@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
 def test_frozen_graphs_serve_every_generation(freeze_fp32):
     """Each generation brings a new static cache; a frozen graph must read and write that one, not the cache it
     was compiled with (StaticCache's tensors are tagged like weights). Greedy, compiled == eager, three times."""

@@ -192,6 +192,7 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
             DraftConfig(kind="feature_head", feature_noise=bad)
 
 
+@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
 def test_entry_trains_a_feature_draft(tmp_path, monkeypatch):
     """On the target's own samples (as recipe=feature_head): its logits and features kept as it sampled them fill
     the teacher cache, so the first epoch runs no teacher pass over those blocks."""

@@ -302,6 +302,7 @@ def test_wandb_offline_run_holds_config_curves_tables_and_the_best_draft(smoke_r
     assert {r.run.run_id for f in runs for r in wandb_records(f) if r.WhichOneof("record_type") == "run"} == {run_id}
 
 
+@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
 def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     """SIGKILL a real run after its first checkpoint; `ckpt_path=last` must continue with the batches, optimizer
     state and schedule the uninterrupted run (the smoke fixture, same recipe) had: the same losses, step for step."""
