@@ -470,3 +470,45 @@ def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, lla
                for r in b["ids"].tolist()}
     assert len(held) == 4 and not held & trained and len(held | trained) == 40
     assert all(b["ids"].shape[1] <= 64 for b in blocks["train"])
+
+
+def test_the_report_judges_a_chat_trained_draft_on_held_out_chat_through_the_template(tmp_path, monkeypatch,
+                                                                                     llama3_tok):
+    """A draft trained through the template is judged on the held-out chat split's first turns, rendered through it
+    with one BOS, long first turns passed over (never cut); the raw sets stay raw; a raw-trained run keeps its sets."""
+    import zipfile
+
+    from omegaconf import OmegaConf
+
+    from draftsmith.sampling.prompts import encode_prompts
+    from draftsmith.train import evaluate
+    from draftsmith.train.report import eval_sets
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    package, version, member = conv.SHAREGPT
+    rows = [_sharegpt(("human", ("hello there " * 300 if i % 2 else "") + f"how are you {i}?"), ("gpt", "fine"),
+                      cid=f"c{i}") for i in range(3000)]
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(member, json.dumps(rows))
+    chat = OmegaConf.create({"data": {"format": "chat", "enable_thinking": None},
+                             "eval": {"prompt_sets": ["code", "english"]}})
+    raw = OmegaConf.create({"data": {"prompts": "broad", "chat_template": False},
+                            "eval": {"prompt_sets": ["code", "english"]}})
+    assert eval_sets(chat) == ["chat", "code", "english"] and eval_sets(raw) == ["code", "english"]
+
+    seen = {}
+    monkeypatch.setattr(evaluate, "acceptance", lambda *a, special_tokens=True, **kw: seen.setdefault(
+        len(seen), (a[3], special_tokens)))
+    evaluate.acceptance_by_set(None, None, llama3_tok, ["chat", "code"], n_prompts=3, k=2, temperature=1.0, top_p=1.0)
+    (texts, special), (code, code_special) = seen[0], seen[1]
+    assert len(texts) == 3 and not special and code_special and not code[0].startswith("<|begin_of_text|>")
+    ids, mask = encode_prompts(llama3_tok, texts, special_tokens=False)
+    for row, m in zip(ids, mask):
+        row = row[m.bool()]
+        assert (row == llama3_tok.bos_token_id).sum() == 1 and row[0] == llama3_tok.bos_token_id
+        assert len(row) <= evaluate.CHAT_PROMPT_TOKENS
+    assert all(t.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and "hello there" not in t
+               for t in texts)
+    held = [m[0]["content"] for m in conv.heldout_chat_set(400) if "hello there" not in m[0]["content"]][:3]
+    assert [t.split("<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0] for t in texts] == held

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
+from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
@@ -14,22 +15,57 @@ from draftsmith.train.feature import feature_alpha
 from draftsmith.train.onpolicy import Batch
 
 
+CHAT_SET = "chat"  # the held-out ShareGPT conversations' first turns, through the target's chat template
+CHAT_PROMPT_TOKENS = 256  # a chat prompt's most tokens: longer first turns are passed over, never cut (a template cut
+                          # on the left loses its header, and the draft would be judged on text no user sends)
+
+
 def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int | None, k: int, temperature: float,
                       top_p: float, top_k: int = 0, max_new_tokens: int = 64, seed: int = 0,
-                      on_target: bool = False) -> dict:
-    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths."""
-    return {ps: acceptance(target, draft, tokenizer, [r["prompt"] for r in load_prompts(ps, n_prompts)], k=k,
-                           temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                           seed=seed, on_target=on_target)
-            for ps in prompt_sets}
+                      on_target: bool = False, enable_thinking: bool | None = None) -> dict:
+    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths; `chat` is the held-out ShareGPT
+    split's first turns rendered through the target's chat template (`enable_thinking` passed to it), the others
+    raw openings as they are shipped."""
+    out = {}
+    for ps in prompt_sets:
+        if ps == CHAT_SET:
+            texts, special = chat_prompts(tokenizer, n_prompts or 8, enable_thinking), False
+        else:
+            texts, special = [r["prompt"] for r in load_prompts(ps, n_prompts)], True
+        out[ps] = acceptance(target, draft, tokenizer, texts, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
+                             max_new_tokens=max_new_tokens, seed=seed, on_target=on_target, special_tokens=special)
+    return out
+
+
+def chat_prompts(tokenizer, n: int, enable_thinking: bool | None = None) -> list[str]:
+    """The first `n` held-out ShareGPT first turns whose templated prompt holds at most CHAT_PROMPT_TOKENS tokens, as
+    the template's text with the generation prompt (it holds its own special tokens)."""
+    from draftsmith.train.chat import template_text
+    from draftsmith.train.conversations import heldout_chat_set
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise DraftsmithError("the chat prompt set needs the target's chat template, and its tokenizer has none: use "
+                              "a chat (Instruct) target or leave `chat` out of eval.prompt_sets")
+    out = []
+    for messages in heldout_chat_set(8 * n):  # ShareGPT's first turns run long: read more than needed
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        text = template_text(tokenizer, messages[: first + 1], True, enable_thinking)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= CHAT_PROMPT_TOKENS:
+            out.append(text)
+            if len(out) == n:
+                return out
+    raise DraftsmithError(f"only {len(out)} held-out chat prompts fit {CHAT_PROMPT_TOKENS} tokens, fewer than the "
+                          f"{n} asked: lower eval.n_prompts")
 
 
 def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperature: float, top_p: float,
-               top_k: int = 0, max_new_tokens: int = 64, seed: int = 0, on_target: bool = False) -> dict:
+               top_k: int = 0, max_new_tokens: int = 64, seed: int = 0, on_target: bool = False,
+               special_tokens: bool = True) -> dict:
     """alpha, alpha_analytic (on the sampler's own trajectories), tokens_per_call over a batch of prompts; with
     on_target, also `alpha_on_target` (teacher-forced on the target's own samples of the same prompts: no
-    sampling noise, so small differences between drafts are visible)."""
-    ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, prompts))
+    sampling noise, so small differences between drafts are visible). special_tokens=False for prompts that hold
+    their own (a chat template's text)."""
+    ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, prompts, special_tokens=special_tokens))
     gen = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=max_new_tokens, k=k,
                                temperature=temperature, top_p=top_p, top_k=top_k,
                                generator=seeded(device_of(target), seed))

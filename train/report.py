@@ -15,10 +15,22 @@ from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import PrunedHeadDraft
 from draftsmith.train.build import truncated_target
-from draftsmith.train.evaluate import acceptance_by_set
+from draftsmith.train.evaluate import CHAT_SET, acceptance_by_set
 from draftsmith.train.plots import plot_report
 from draftsmith.train.rundir import sharded
 from draftsmith.train.saved import draft_from_checkpoint, save_draft
+
+
+def trained_through_template(cfg) -> bool:
+    """Whether training rendered its samples through the target's chat template (data=chat, data.chat_template)."""
+    return cfg.data.get("format") == "chat" or bool(cfg.data.get("chat_template"))
+
+
+def eval_sets(cfg) -> list[str]:
+    """eval.prompt_sets, with the held-out chat set first when training went through the template: a draft trained
+    on what a chat target writes is judged on it too (the raw code and English openings stay, as they are)."""
+    sets = list(cfg.eval.prompt_sets)
+    return [CHAT_SET] + sets if trained_through_template(cfg) and CHAT_SET not in sets else sets
 
 
 def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
@@ -26,9 +38,10 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     s = cfg.sampler
     out = {}
     for name, draft in drafts.items():
-        out[name] = acceptance_by_set(target, draft, tokenizer, cfg.eval.prompt_sets, n_prompts=cfg.eval.n_prompts,
+        out[name] = acceptance_by_set(target, draft, tokenizer, eval_sets(cfg), n_prompts=cfg.eval.n_prompts,
                                       k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True)
+                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True,
+                                      enable_thinking=cfg.data.get("enable_thinking"))
         if cost and name != "baseline_cut_target":
             for res in out[name].values():
                 res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
@@ -66,6 +79,9 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "monitor": cfg.checkpoint.monitor,
         "best_score": float(checkpoint_cb.best_model_score) if checkpoint_cb.best_model_score is not None else None,
         "sampler": {"k": cfg.sampler.k, "temperature": cfg.sampler.temperature, "top_p": cfg.sampler.top_p},
+        # how training rendered its samples: the card and `generate --chat` follow it
+        "chat_template": {"trained_through": trained_through_template(cfg),
+                          "enable_thinking": cfg.data.get("enable_thinking")},
         "c": cost["c"],
         "cost": cost,
         "cost_at_fit_start": acceptance_cb.cost,
