@@ -50,6 +50,14 @@ def locate_draft(path: str) -> Draft:
     return Draft(str(p))
 
 
+def draft_label(path: str, taken) -> str:
+    """A short unique name: the run directory's name for a run's best_draft (or a bundle's draft/), else the
+    directory's."""
+    p = Path(path)
+    name = p.parent.name if p.name in ("best_draft", "draft") else p.name
+    return name if name not in taken else f"{name}#{len(taken)}"
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

@@ -8,6 +8,7 @@
 - `train-memory`: a whole training run's peak memory as its corpus grows;
 - `batching`: chat samples padded per sample against today's packing, in real tokens/s of a training step;
 - `serve`: a bundle served in an engine (ours, transformers, vLLM, llama.cpp): tau per set, the speed-up there;
+- `acceptance`: drafts side by side on the same samples of their target: alpha_on_target per set (chat too);
 - `ablation`: the table and plot of a finished ablation multirun.
 
 Each prints its figures and writes its JSON where told; the figures that matter, with their command, machine and
@@ -23,6 +24,7 @@ BENCHES = {
     "train-memory": ("train_memory", "a training run's peak memory as its corpus grows"),
     "batching": ("batching", "chat samples padded per sample against packing: real tokens/s of a training step"),
     "serve": ("serve", "a bundle served in an engine: acceptance length (tau) and speed-up per set"),
+    "acceptance": ("acceptance", "drafts side by side on the same target samples: alpha_on_target per set"),
     "ablation": ("ablation", "the table and plot of a finished ablation multirun"),
 }
 

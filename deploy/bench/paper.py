@@ -26,7 +26,7 @@ import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from draftsmith.sampling import autoregressive_generate, speculative_generate
-from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
+from draftsmith.sampling.cli import add_artifact, artifact_of, draft_label, examples, locate_draft, target_of
 from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
@@ -86,7 +86,7 @@ def main(argv=None, prog=None) -> int:
         target = load_model(args.target, args.dtype, device=args.device)
         full_drafts = {}
         for d in args.draft:
-            full_drafts[_label(d, full_drafts)] = load_model(d, args.dtype, device=args.device)
+            full_drafts[draft_label(d, full_drafts)] = load_model(d, args.dtype, device=args.device)
         if args.compile:
             for d in full_drafts.values():
                 check_compilable(d)
@@ -188,14 +188,6 @@ def main(argv=None, prog=None) -> int:
     print(f"measured on: {describe_run(info)}")
     print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'figure1.png'}")
     return 0
-
-
-def _label(path: str, taken) -> str:
-    """A short unique name: the run directory's name for a run's best_draft (or a bundle's draft/), else the
-    directory's."""
-    p = Path(path)
-    name = p.parent.name if p.name in ("best_draft", "draft") else p.name
-    return name if name not in taken else f"{name}#{len(taken)}"
 
 
 def summarise(runs, cost, args, full_c):
