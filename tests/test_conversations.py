@@ -470,3 +470,26 @@ def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, lla
                for r in b["ids"].tolist()}
     assert len(held) == 4 and not held & trained and len(held | trained) == 40
     assert all(b["ids"].shape[1] <= 64 for b in blocks["train"])
+
+
+def test_generate_chat_renders_one_user_turn_with_one_bos(llama3_tok):
+    """`draftsmith generate --chat`: the prompt as one user turn through the target's template with its generation
+    prompt, tokenized without a second BOS (the template writes one, this tokenizer adds another), and
+    --enable-thinking reaches the template."""
+    import copy
+
+    from draftsmith.sampling.generate import encode_prompt, parse_args
+    from draftsmith.train.chat import template_text
+
+    tok = copy.deepcopy(llama3_tok)
+    tok.chat_template = LLAMA3.replace("{{ bos_token }}", "{{ bos_token }}{% if enable_thinking is defined and not "
+                                       "enable_thinking %}/no_think{% endif %}")
+    turn = [{"role": "user", "content": "how are you?"}]
+    text, ids = encode_prompt(tok, "how are you?", chat=True)
+    assert text == template_text(tok, turn, True) and text.endswith("assistant<|end_header_id|>\n\n")
+    assert ids[0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0].tolist().count(tok.bos_token_id) == 1
+    text, _ = encode_prompt(tok, "how are you?", chat=True, enable_thinking=False)
+    assert "/no_think" in text and text == template_text(tok, turn, True, enable_thinking=False)
+    assert encode_prompt(tok, "hi")[0] == "hi"  # without --chat: as given
+    assert parse_args(["--prompt", "x", "--chat", "--enable-thinking", "false"]).enable_thinking == "false"

@@ -8,7 +8,7 @@ from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
+from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id, user_turn
 from draftsmith.sampling.rejection import teacher_forced_acceptance
 from draftsmith.train.feature import feature_alpha
 from draftsmith.train.onpolicy import Batch
@@ -16,20 +16,27 @@ from draftsmith.train.onpolicy import Batch
 
 def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int | None, k: int, temperature: float,
                       top_p: float, top_k: int = 0, max_new_tokens: int = 64, seed: int = 0,
-                      on_target: bool = False) -> dict:
-    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths."""
-    return {ps: acceptance(target, draft, tokenizer, [r["prompt"] for r in load_prompts(ps, n_prompts)], k=k,
-                           temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                           seed=seed, on_target=on_target)
+                      on_target: bool = False, chat: dict | None = None) -> dict:
+    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths. With `chat` ({"enable_thinking"}:
+    a draft trained with data=chat) each prompt is one user turn through the target's chat template, as the
+    draft met its prompts in training."""
+    def texts(ps):
+        prompts = [r["prompt"] for r in load_prompts(ps, n_prompts)]
+        return prompts if chat is None else [user_turn(tokenizer, p, chat.get("enable_thinking")) for p in prompts]
+
+    return {ps: acceptance(target, draft, tokenizer, texts(ps), k=k, temperature=temperature, top_p=top_p,
+                           top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, on_target=on_target,
+                           special_tokens=chat is None)  # the template writes the BOS
             for ps in prompt_sets}
 
 
 def acceptance(target, draft, tokenizer, prompts: list[str], *, k: int, temperature: float, top_p: float,
-               top_k: int = 0, max_new_tokens: int = 64, seed: int = 0, on_target: bool = False) -> dict:
+               top_k: int = 0, max_new_tokens: int = 64, seed: int = 0, on_target: bool = False,
+               special_tokens: bool = True) -> dict:
     """alpha, alpha_analytic (on the sampler's own trajectories), tokens_per_call over a batch of prompts; with
     on_target, also `alpha_on_target` (teacher-forced on the target's own samples of the same prompts: no
     sampling noise, so small differences between drafts are visible)."""
-    ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, prompts))
+    ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, prompts, special_tokens=special_tokens))
     gen = speculative_generate(target, draft, ids, attention_mask=mask, max_new_tokens=max_new_tokens, k=k,
                                temperature=temperature, top_p=top_p, top_k=top_k,
                                generator=seeded(device_of(target), seed))

@@ -21,6 +21,12 @@ from draftsmith.train.rundir import sharded
 from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 
+def chat_of(cfg) -> dict | None:
+    """A data=chat run's prompts go through the target's chat template, as one user turn (`acceptance_by_set`):
+    {"enable_thinking"}, or None for a run on text."""
+    return {"enable_thinking": cfg.data.get("enable_thinking")} if cfg.data.get("format") == "chat" else None
+
+
 def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     """{draft name: {prompt set: acceptance dict (+ predicted_speedup)}} at the sampler's settings."""
     s = cfg.sampler
@@ -28,7 +34,8 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     for name, draft in drafts.items():
         out[name] = acceptance_by_set(target, draft, tokenizer, cfg.eval.prompt_sets, n_prompts=cfg.eval.n_prompts,
                                       k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True)
+                                      max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True,
+                                      chat=chat_of(cfg))
         if cost and name != "baseline_cut_target":
             for res in out[name].values():
                 res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
@@ -66,6 +73,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "monitor": cfg.checkpoint.monitor,
         "best_score": float(checkpoint_cb.best_model_score) if checkpoint_cb.best_model_score is not None else None,
         "sampler": {"k": cfg.sampler.k, "temperature": cfg.sampler.temperature, "top_p": cfg.sampler.top_p},
+        "chat_template": chat_of(cfg),  # data=chat: its acceptance measured through the template
         "c": cost["c"],
         "cost": cost,
         "cost_at_fit_start": acceptance_cb.cost,
@@ -90,7 +98,8 @@ def print_report(report: dict) -> None:
     print(f"\nbest draft: {report['best_draft']}")
     print(f"  (checkpoint {report['best_checkpoint']}, {report['monitor']} = {report['best_score']})")
     print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets (tau: {TAU}, "
-          "tokens per target call):")
+          "tokens per target call)" + (", each prompt one user turn through the target's chat template (data=chat)"
+                                       if report.get("chat_template") else "") + ":")
     print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'alpha_on_target':>17}{'tau':>10}"
           f"{'pred. speed-up':>16}")
     for name, sets in report["eval"].items():
