@@ -41,8 +41,8 @@ def parse_args(argv=None, prog=None):
                     help="render the prompt as one user turn through the target's chat template, with its generation "
                          "prompt (how a draft trained with data=chat meets its prompts; the template writes the BOS)")
     ap.add_argument("--enable-thinking", choices=("true", "false"),
-                    help="with --chat: passed to the template (default: the template's; a bundle's card names the value "
-                         "its draft was trained with)")
+                    help="with --chat: passed to the template (default: the template's; a bundle's card names the "
+                         "value its draft was trained with)")
     ap.add_argument("-k", help="draft tokens per loop, or 'auto': after each drafted token, one more if the draft's "
                     "confidence, the running acceptance and the measured costs say it pays (default: a bundle's "
                     "recommended K, else 4)")
