@@ -68,6 +68,23 @@ def locate(src: Path, target_arg: str | None) -> tuple[Path, str, dict]:
     return src, target, sampler
 
 
+def trained_chat(src: Path) -> dict | None:
+    """{"enable_thinking": null, true or false} when the run that trained the draft at `src` (found as `locate`
+    finds it) trained with data=chat, through the target's chat template; None otherwise (or unknown: a bare draft
+    checkpoint). The run's config says it; its corpus record (data.json) where the config is missing."""
+    run_dir = src.parent.parent if src.suffix == ".ckpt" else src if (src / "best_draft").is_dir() else None
+    if run_dir is None:
+        return None
+    hydra_cfg, record = run_dir / ".hydra" / "config.yaml", run_dir / "data.json"
+    if hydra_cfg.is_file():
+        data = yaml.safe_load(hydra_cfg.read_text()).get("data") or {}
+    elif record.is_file():
+        data = json.loads(record.read_text())
+    else:
+        return None
+    return {"enable_thinking": data.get("enable_thinking")} if data.get("format") == "chat" else None
+
+
 def check_pair(target_tok, draft_tok, target, draft) -> None:
     problems = tokenizer_mismatches(target_tok, draft_tok)
     if is_feature_draft(draft):
@@ -85,15 +102,18 @@ def check_pair(target_tok, draft_tok, target, draft) -> None:
         raise DraftsmithError("draft and target do not form a pair: " + "; ".join(problems))
 
 
-def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed) -> dict:
+def measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, chat=None) -> dict:
+    """Acceptance by prompt set; a draft trained with data=chat (`chat`: `trained_chat`) is measured on each prompt
+    as one user turn through the target's template, as it trained and as it will be served."""
     return acceptance_by_set(target, draft, tok, prompt_sets, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
-                             seed=seed, **sampler)
+                             seed=seed, chat=chat, **sampler)
 
 
 @torch.inference_mode()
-def measure_bundle(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks) -> tuple[dict, dict]:
+def measure_bundle(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks,
+                   chat=None) -> tuple[dict, dict]:
     """(acceptance by prompt set, costs c and v(K)) of the pair where it is: the card's figures."""
-    acc = measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed)
+    acc = measure_pair(target, draft, tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, chat)
     return acc, measure_costs(target, draft, ks=ks)
 
 
@@ -110,6 +130,40 @@ def target_note(target_name: str, hub_id: str | None, copied: bool) -> str:
             f"--copy-target to ship it): set TARGET to that model on the serving host (a local folder or hub id).{hub} "
             f"The commands below run from the bundle's folder:\n```bash\ncd BUNDLE\nexport TARGET=...  # the folder "
             f"or hub id of {target_name}\n```")
+
+
+def chat_note(spec: dict) -> str:
+    """The card's paragraph on the chat template: a draft trained with data=chat met its prompts only inside it."""
+    chat = spec.get("chat_template")
+    if chat is None:
+        return ""
+    thinking = chat.get("enable_thinking")
+    said = "the template's default" if thinking is None else str(thinking).lower()
+    return (f"\nTrained and measured through the target's chat template (data=chat, enable_thinking: {said}): in "
+            "training each sample was a conversation rendered by the template, the loss on the assistant's tokens; "
+            "above, each prompt went in as one user turn rendered by the template with its generation prompt. Serve "
+            "it the same way: the commands below apply the template, and a prompt sent raw meets a draft that never "
+            "saw text outside it.\n")
+
+
+def generate_flags(spec: dict) -> str:
+    """`draftsmith generate`'s flags that render the prompt as the draft was measured (none for a raw prompt)."""
+    chat = spec.get("chat_template")
+    if chat is None:
+        return ""
+    thinking = chat.get("enable_thinking")
+    return " --chat" + ("" if thinking is None else f" --enable-thinking {str(thinking).lower()}")
+
+
+def hf_inputs(spec: dict) -> str:
+    """The transformers snippet's inputs: the prompt as is, or as one user turn through the chat template."""
+    chat = spec.get("chat_template")
+    if chat is None:
+        return '**tok("def f(x):", return_tensors="pt")'
+    thinking = chat.get("enable_thinking")
+    extra = "" if thinking is None else f", enable_thinking={thinking}"
+    return ('**tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True,\n'
+            f'                                               return_tensors="pt", return_dict=True{extra})')
 
 
 def acceptance_rows(spec: dict) -> str:
@@ -132,7 +186,7 @@ Measured with draftsmith's exact speculative sampler (Chen et al. 2023), K={spec
 temperature {s['temperature']}, top-p {s['top_p']}, {spec['max_new_tokens']} new tokens per prompt, seed {spec['seed']}.
 {TAU} (`tokens_per_call`): tokens per target pass, bonus token included, as SpecForge, speculators, vLLM and SGLang
 report it; acceptance at each draft position given the position was reached.
-
+{chat_note(spec)}
 | prompts | {TAU} | alpha | alpha_analytic | acceptance by position |
 | --- | --- | --- | --- | --- |
 {acceptance_rows(spec)}
@@ -154,7 +208,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained(os.environ["TARGET"])
 target = AutoModelForCausalLM.from_pretrained(os.environ["TARGET"])
 draft = AutoModelForCausalLM.from_pretrained("draft")
-out = target.generate(**tok("def f(x):", return_tensors="pt"), assistant_model=draft, do_sample=True,
+out = target.generate({hf_inputs(spec)}, assistant_model=draft, do_sample=True,
                       temperature={s['temperature']}, top_p={s['top_p']}, max_new_tokens=128)
 ```
 vLLM (`vllm_speculative_config.json`; vLLM drafts greedily unless configured for probabilistic rejection,
@@ -169,7 +223,7 @@ python -m sglang.launch_server --model-path "$TARGET" {sglang}
 draftsmith's sampler:
 ```bash
 draftsmith generate draft --target "$TARGET" -k {k} \\
-    --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
+    --temperature {s['temperature']} --top-p {s['top_p']}{generate_flags(spec)} --prompt "def f(x):"
 ```
 """
 
@@ -192,7 +246,7 @@ and a speculators eagle3 config, whose verifier is `{verifier_name(target_name, 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
 draftsmith generate draft --target "$TARGET" -k {k} \\
-    --temperature {s['temperature']} --top-p {s['top_p']} --prompt "def f(x):"
+    --temperature {s['temperature']} --top-p {s['top_p']}{generate_flags(spec)} --prompt "def f(x):"
 ```
 vLLM (`vllm_speculative_config.json`):
 ```bash
@@ -212,6 +266,7 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     recommended K are figures of that device, and the card says which. `engines`: each also timed at K = 1..4
     (`deploy/ksweep.py`, at `sweep_temperature`, `sweep_prompts` code prompts of `sweep_tokens` tokens), its
     fastest K written into its config."""
+    chat = trained_chat(Path(src))  # data=chat: measured, and served in the card, through the template
     src, target_name, sampler = locate(Path(src), target_arg)
     out = Path(out).resolve()
     target_dir = resolve(target_name)
@@ -230,7 +285,8 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     check_pair(target_tok, draft_tok, target, draft)
 
     print(f"measuring acceptance and costs on {device_name(device_of(target))}...", file=sys.stderr)
-    acc, cost = measure_bundle(target, draft, target_tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks)
+    acc, cost = measure_bundle(target, draft, target_tok, sampler, prompt_sets, n_prompts, max_new_tokens, seed, ks,
+                               chat)
     alpha = sum(r["alpha"] * r["prompts"] for r in acc.values()) / sum(r["prompts"] for r in acc.values())
     k_rec, _ = best_k(alpha, cost["c"], cost["v"])
     feature = is_feature_draft(draft)
@@ -249,6 +305,8 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         "c": cost["c"], "v": {str(k): v for k, v in cost["v"].items()},
         "predicted_speedup": {str(k): predicted_speedup(alpha, k, cost["c"], v) for k, v in cost["v"].items()},
         "max_new_tokens": max_new_tokens, "seed": seed, "prompt_sets": list(prompt_sets), "n_prompts": n_prompts,
+        # trained with data=chat: {"enable_thinking"}, its prompts measured through the target's template; else null
+        "chat_template": chat,
         # what the speed figures were measured on, and each model's precision (auto: measured per machine)
         **run_info(target=target, draft=draft),
     }
@@ -390,7 +448,7 @@ def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) ->
     check_pair(target_tok, load_tokenizer(str(bundle / "draft")), target, draft)
     with torch.inference_mode():
         again = measure_pair(target, draft, target_tok, sampler, spec["prompt_sets"], spec["n_prompts"],
-                             spec["max_new_tokens"], spec["seed"])
+                             spec["max_new_tokens"], spec["seed"], spec.get("chat_template"))
     for ps, r in again.items():
         if r["alpha"] != spec["acceptance"][ps]["alpha"]:
             raise DraftsmithError(f"reloaded draft gives alpha {r['alpha']} on {ps}, the export recorded "

@@ -24,6 +24,7 @@ from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_m
 from draftsmith.sampling.machine import default_device, device_of, seeded
 from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.probs import SamplingConfig
+from draftsmith.sampling.prompts import user_turn
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 
@@ -36,7 +37,12 @@ def parse_args(argv=None, prog=None):
     ap.add_argument("--target", help="alias, hub id, checkpoint dir or .gguf (default: the bundle's or run's target; "
                     "required otherwise)")
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    ap.add_argument("--chat", action="store_true",
+                    help="render the prompt as one user turn through the target's chat template, with its generation "
+                         "prompt (how a draft trained with data=chat meets its prompts; the template writes the BOS)")
+    ap.add_argument("--enable-thinking", choices=("true", "false"),
+                    help="with --chat: passed to the template (default: the template's; a bundle's card names the "
+                         "value its draft was trained with)")
     ap.add_argument("-k", help="draft tokens per loop, or 'auto': after each drafted token, one more if the draft's "
                     "confidence, the running acceptance and the measured costs say it pays (default: a bundle's "
                     "recommended K, else 4)")
@@ -88,6 +94,16 @@ def settle(args) -> Draft | None:
     return draft
 
 
+def encode_prompt(tok, prompt: str, chat: bool = False, enable_thinking: bool | None = None):
+    """(the text the target continues, its ids (1, T)): the prompt as given, or with `chat` one user turn through
+    the template, tokenized without adding special tokens (the template writes the BOS: adding one more would put
+    the draft and target on a prompt neither was trained on)."""
+    if not chat:
+        return prompt, tok(prompt, return_tensors="pt").input_ids
+    text = user_turn(tok, prompt, enable_thinking)
+    return text, tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
 def main(argv=None, prog=None) -> int:
     args = parse_args(argv, prog)
     try:
@@ -96,6 +112,9 @@ def main(argv=None, prog=None) -> int:
         k = _k(args.k)
         if not args.prompt:
             raise DraftsmithError("the prompt is empty: pass --prompt TEXT")
+        if args.enable_thinking and not args.chat:
+            raise DraftsmithError("--enable-thinking is passed to the chat template: add --chat")
+        thinking = None if args.enable_thinking is None else args.enable_thinking == "true"
         if args.threads:
             torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
@@ -115,11 +134,7 @@ def main(argv=None, prog=None) -> int:
                     draft = prune_from_dir(draft, source.path, args.draft_vocab, [tok.eos_token_id])
                 except FileNotFoundError as e:
                     raise DraftsmithError(f"--draft-vocab needs token counts: {e}") from None
-        text = args.prompt
-        if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True)
-        ids = tok(text, return_tensors="pt").input_ids
+        text, ids = encode_prompt(tok, args.prompt, args.chat, thinking)
         common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, eos_token_id=tok.eos_token_id, compile=args.compile,
                       generator=seeded(device_of(target), args.seed))

@@ -45,6 +45,19 @@ def load_prompts(name_or_path: str, n: int | None = None) -> list[dict]:
     return rows[:n] if n else rows
 
 
+def user_turn(tokenizer, text: str, enable_thinking: bool | None = None) -> str:
+    """`text` as one user turn through the tokenizer's chat template, with the generation prompt: how a draft trained
+    with data=chat met its prompts (train/chat.py renders the same way). Encode it with special_tokens=False: the
+    template writes the BOS itself, and a tokenizer that adds one too would give the prompt two. `enable_thinking`
+    None leaves the template's default."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DraftsmithError("the target's tokenizer has no chat template to render the prompt as a user turn with "
+                              "(generate without --chat)")
+    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True, **kw)
+
+
 def encode_prompts(tokenizer, texts: list[str], max_tokens: int | None = None,
                    special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (N, width) ids and attention mask, so prompts of different lengths decode as one batch. A prompt

@@ -4,6 +4,7 @@ sample see another (which today's packing does)."""
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -512,3 +513,111 @@ def test_the_report_judges_a_chat_trained_draft_on_held_out_chat_through_the_tem
                for t in texts)
     held = [m[0]["content"] for m in conv.heldout_chat_set(400) if "hello there" not in m[0]["content"]][:3]
     assert [t.split("<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0] for t in texts] == held
+
+
+def test_generate_chat_renders_one_user_turn_with_one_bos(llama3_tok):
+    """`draftsmith generate --chat`: the prompt as one user turn through the target's template with its generation
+    prompt, tokenized without a second BOS (the template writes one, this tokenizer adds another), and
+    --enable-thinking reaches the template."""
+    import copy
+
+    from draftsmith.sampling.generate import encode_prompt, parse_args
+    from draftsmith.train.chat import template_text
+
+    tok = copy.deepcopy(llama3_tok)
+    tok.chat_template = LLAMA3.replace("{{ bos_token }}", "{{ bos_token }}{% if enable_thinking is defined and not "
+                                       "enable_thinking %}/no_think{% endif %}")
+    turn = [{"role": "user", "content": "how are you?"}]
+    text, ids = encode_prompt(tok, "how are you?", chat=True)
+    assert text == template_text(tok, turn, True) and text.endswith("assistant<|end_header_id|>\n\n")
+    assert ids[0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0].tolist().count(tok.bos_token_id) == 1
+    text, _ = encode_prompt(tok, "how are you?", chat=True, enable_thinking=False)
+    assert "/no_think" in text and text == template_text(tok, turn, True, enable_thinking=False)
+    assert encode_prompt(tok, "hi")[0] == "hi"  # without --chat: as given
+    assert parse_args(["--prompt", "x", "--chat", "--enable-thinking", "false"]).enable_thinking == "false"
+
+
+@pytest.fixture(scope="module")
+def kept_chat(tmp_path_factory, llama3_tok):
+    """A data=chat corpus as it is (data.regenerate=false) prepared with loss.teacher_topk=8: its teacher pass."""
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train.chatcorpus import chat_blocks, prepare
+    from draftsmith.train.draft import RECIPES
+
+    tmp = tmp_path_factory.mktemp("kept_chat")
+    rows = [_sharegpt(("human", f"hello there {i}"), ("gpt", "I am fine " * (1 + i % 3)), ("human", "how are you?"),
+                      ("gpt", "fine, and you?")) for i in range(16)]
+    src = _write_jsonl(tmp / "c.jsonl", rows)
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        cfg = compose("draft", overrides=["out_dir=/tmp/unused", "data=chat", f"data.source={src}",
+                                          "data.regenerate=false", "data.batch_size=4", "data.block_size=64",
+                                          "sampler.on_target_prompts=2", "sampler.n_prompts=2",
+                                          "loss=distill_tv", "loss.teacher_topk=8"])
+    target = _tiny_target(llama3_tok)
+    record = prepare(cfg, llama3_tok, lambda: target, tmp / "corpus", progress=False)
+    return cfg, target, record, chat_blocks(cfg, llama3_tok, record)
+
+
+def _prefilled(target, record, blocks, k=8):
+    from draftsmith.train.corpus import prefill_labels, sampled_rows
+    from draftsmith.train.teacher import TeacherCache
+
+    samples = [x.ids for x in blocks["samples"]]
+    width = max([b["ids"].shape[1] for b in blocks["train"]] + [len(s) for s in samples])
+    cache = TeacherCache(len(samples), width - 1, k, target.config.vocab_size)
+    filled = prefill_labels(cache, Path(record["kept"]), sampled_rows(record["kept"]), samples)
+    return cache, filled
+
+
+def test_chat_keeps_the_target_s_top_k_at_every_assistant_label(kept_chat):
+    """loss.teacher_topk with data=chat: one teacher pass keeps, for every training sample, the target's own top-k
+    log-probabilities at exactly the positions whose label is an assistant token, and nowhere else."""
+    _, target, record, blocks = kept_chat
+    assert record["kept_topk"] == 8 and record["kept"].endswith(".jsonl")
+    cache, filled = _prefilled(target, record, blocks)
+    samples = blocks["samples"]
+    assert filled == len(samples) >= 12
+    checked = 0
+    for i, x in enumerate(samples):
+        with torch.no_grad():
+            lp = torch.log_softmax(target(input_ids=torch.tensor([x.ids])).logits[0].float(), -1)
+        trained = [p for p in range(len(x.ids) - 1) if x.trained[p + 1]]
+        known = cache.known[i, : len(x.ids) - 1].nonzero().squeeze(1).tolist()
+        assert known == trained and trained  # the assistant's labels, each answer's end-of-turn marker included
+        got = cache.read(torch.tensor([i]))
+        top = lp[trained].topk(8, -1)
+        torch.testing.assert_close(got["values"][0, trained].float(), top.values, atol=4e-3, rtol=0)
+        kept_ids = got["index"][0, trained].long()
+        torch.testing.assert_close(lp[trained].gather(-1, kept_ids), top.values, atol=4e-3, rtol=0)
+        checked += len(trained)
+    assert checked > 100
+
+
+def test_chat_with_kept_logits_never_runs_the_target_in_a_training_step(kept_chat):
+    """A Lightning fit on the chat batches with the kept store: the target's forward is never called in a training
+    step (every sample's teacher is read from the store), and the loss is taken."""
+    import lightning as L
+
+    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.train.data import chat_loaders
+    from draftsmith.train.module import DraftModule
+
+    cfg, target, record, blocks = kept_chat
+    cache, _ = _prefilled(target, record, blocks)
+    calls = []
+    hook = target.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
+        loss = {"distill": True, "temperature": 1.0, "weights": {"tv": 1}, "compile": False}
+        module = DraftModule(draft, target, loss=loss, optim={"lr": 1e-3}, sampler={"temperature": 1.0}, max_steps=6,
+                             teacher_cache=cache)
+        train_dl, _ = chat_loaders(blocks, cfg)
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, train_dl)
+    finally:
+        hook.remove()
+    assert calls == []  # not one teacher pass
+    assert trainer.global_step == 6 and cache.hits >= 6 * 4 and cache.misses == 0

@@ -173,3 +173,42 @@ def test_each_verb_takes_what_the_one_before_made(bundle, capsys):
                  "1", "-k", "1", "--no-k-auto", "--no-peers", "--out", str(bench), "--device", "cpu"]) == 0
     record = json.loads((bench / "bench.json").read_text())
     assert record["args"]["target"].endswith("tiny-random") and (bench / "figure1.png").is_file()
+
+
+def _card_spec(chat):
+    """The spec fields the card reads (what `export` measured), with `chat_template` as a data=chat run records it."""
+    return {"recommended_k": 3, "measured_k": 4, "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 0},
+            "acceptance": {"code": {"tokens_per_call": 2.0, "alpha": 0.5, "alpha_analytic": 0.5,
+                                    "acceptance_by_position": [0.6, None]}},
+            "max_new_tokens": 16, "seed": 0, "c": 0.1, "predicted_speedup": {"3": 1.5}, "device": "cpu",
+            "machine": {"cpu": "cpu", "cuda": False, "torch": "2", "cpu_capability": "AVX2", "native_bf16": False,
+                        "threads": 2}, "dtype": {"target": "fp32", "draft": "fp32"}, "feature_layers": [1, 2, 3],
+            "chat_template": chat}
+
+
+@pytest.mark.parametrize("thinking, flags", [(False, "--chat --enable-thinking false"), (None, "--chat --prompt")])
+def test_a_chat_trained_draft_s_card_applies_the_template(tmp_path, thinking, flags):
+    """A run trained with data=chat (its config says so): the card says the draft was trained and measured through
+    the target's chat template, records enable_thinking, and its commands apply the template; a text run's card
+    has none of it."""
+    import yaml
+
+    from draftsmith.deploy.export import feature_card, model_card, trained_chat
+
+    run = tmp_path / "run"
+    (run / "best_draft").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"data": {"format": "chat",
+                                                                         "enable_thinking": thinking}}))
+    chat = trained_chat(run)
+    assert chat == {"enable_thinking": thinking}
+    assert trained_chat(run / "checkpoints" / "step1.ckpt") == chat  # a checkpoint of the run: the same run
+    said = "the template's default" if thinking is None else "false"
+    for card in (model_card("pair", "t", _card_spec(chat)), feature_card("pair", "t", _card_spec(chat))):
+        assert "through the target's chat template" in card and f"enable_thinking: {said}" in card
+        assert f"--top-p 0.95 {flags}" in card
+    assert "apply_chat_template" in model_card("pair", "t", _card_spec(chat))
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"data": {"format": "text"}}))
+    assert trained_chat(run) is None
+    plain = model_card("pair", "t", _card_spec(None))
+    assert "--chat" not in plain and "chat template (data=chat" not in plain and "apply_chat_template" not in plain

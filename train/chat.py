@@ -94,8 +94,9 @@ def last_turn_only(sample: Sample) -> Sample:
 
 def chat_batches(samples: list[Sample], batch_size: int, pad: int, multiple: int = 32,
                  seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Samples grouped into padded batches: {"ids" (B, L), "mask" (B, L), "loss_mask" (B, L-1)}; row i is one
-    sample from position 0, right-padded; loss_mask marks the labels (ids[:, 1:]) the loss is taken on. Samples are
+    """Samples grouped into padded batches: {"ids" (B, L), "mask" (B, L), "loss_mask" (B, L-1), "rows" (B,)}; row i
+    is one sample from position 0, right-padded; loss_mask marks the labels (ids[:, 1:]) the loss is taken on; rows
+    are the samples' indices in `samples` (the key of the target's logits kept for them). Samples are
     sorted by length (ties in a seeded order), so a batch's rows are close in length; the batches' order is the
     loader's to shuffle (train/data.py)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -103,7 +104,8 @@ def chat_batches(samples: list[Sample], batch_size: int, pad: int, multiple: int
     order = sorted(range(len(samples)), key=lambda i: (len(samples[i].ids), tie[i]))
     out = []
     for lo in range(0, len(order), batch_size):
-        rows = [samples[i] for i in order[lo: lo + batch_size]]
+        picked = order[lo: lo + batch_size]
+        rows = [samples[i] for i in picked]
         if len(rows) < batch_size and out:
             break  # a short last batch would be one more shape to compile for
         width = -(-max(len(r.ids) for r in rows) // multiple) * multiple
@@ -114,7 +116,7 @@ def chat_batches(samples: list[Sample], batch_size: int, pad: int, multiple: int
             ids[j, : len(r.ids)] = torch.tensor(r.ids)
             mask[j, : len(r.ids)] = 1
             trained[j, : len(r.ids)] = torch.tensor(r.trained)
-        out.append({"ids": ids, "mask": mask, "loss_mask": trained[:, 1:]})
+        out.append({"ids": ids, "mask": mask, "loss_mask": trained[:, 1:], "rows": torch.tensor(picked)})
     return out
 
 

@@ -10,7 +10,11 @@
   `data.turn_max_new_tokens`. Written one conversation a line, resumable at conversation granularity, time-boxed
   by data.generated.max_minutes, a full disk said in one line with nothing written lost.
 - `data.regenerate=false`: the conversations as they are (already the target's own answers, or the data to
-  imitate); the target's logits come from its pass in each training step.
+  imitate).
+- `loss.teacher_topk=K` (`keep_teacher`): after that, one teacher pass keeps the target's top-K logits at every
+  assistant label of every training sample, in the generated corpus' store (train/corpus.py `keep_label_logits`:
+  resumable, a full disk said in one line), so no training step runs the target. A feature draft reads the target's
+  features at every context token, which this store does not keep: it keeps its pass in every step.
 The corpus is keyed by a fingerprint of the source's files, the tokenizer and these settings, under the run's corpus
 folder (`chat_path`: data.cache_dir, else $DRAFTSMITH_HOME, or the run dir every node reads on several nodes; as
 the generated corpus), so `train` finds what `data` prepared.
@@ -82,8 +86,9 @@ def prepare(cfg, tok, teacher, home: Path, progress: bool = True) -> dict:
     `home`, or the source as is."""
     d = cfg.data
     if not d.regenerate:
-        return {"source": d.source, "documents": d.max_documents, "rows": None, "format": "chat",
-                "enable_thinking": d.enable_thinking}
+        record = {"source": d.source, "documents": d.max_documents, "rows": None, "format": "chat",
+                  "enable_thinking": d.enable_thinking}
+        return keep_teacher(cfg, tok, teacher, home, record, progress)
     train, _ = split(cfg)
     path = chat_path(cfg, tok, home)
     g = cfg.data.generated
@@ -94,8 +99,45 @@ def prepare(cfg, tok, teacher, home: Path, progress: bool = True) -> dict:
     from draftsmith.train.data import line_count, rows_digest
 
     rows = line_count(path)
-    return {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows),
-            "format": "chat", "enable_thinking": d.enable_thinking}
+    record = {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows),
+              "format": "chat", "enable_thinking": d.enable_thinking}
+    return keep_teacher(cfg, tok, teacher, home, record, progress)
+
+
+def kept_topk(cfg) -> int:
+    """The K of the target's top-K logits data=chat keeps (0: none): loss.teacher_topk when the loss distills, for
+    an independent draft (a feature draft also reads the target's features at every context token, which are not
+    kept here: it runs the target in every step)."""
+    if not cfg.loss.get("distill", True) or cfg.draft.get("kind") == "feature_head":
+        return 0
+    return int(cfg.loss.get("teacher_topk", 0) or 0)
+
+
+def keep_teacher(cfg, tok, teacher, home: Path, record: dict, progress: bool = True) -> dict:
+    """`record` with `kept` (the store of the target's top-K logits at every assistant label of every training
+    sample, `keep_label_logits`) and `kept_topk`, when loss.teacher_topk asks for them: one teacher pass, cached
+    under `home` by the samples' tokens, the target and K (so a rerun, or `train` after `draftsmith data`, reuses
+    it, and a pass cut short continues)."""
+    k = kept_topk(cfg)
+    if not k:
+        return record
+    from draftsmith.sampling.prompts import pad_id
+    from draftsmith.train.corpus import keep_label_logits
+
+    rows = label_rows(training_samples(cfg, tok, record, Counter()))
+    h = hashlib.sha256(json.dumps([cfg.target.name, str(cfg.target.dtype), k]).encode())
+    for r in rows:
+        h.update(json.dumps(r).encode())
+    path = Path(home) / "chat" / "kept" / f"{cfg.target.name.replace('/', '_')}-top{k}-{h.hexdigest()[:16]}.jsonl"
+    keep_label_logits(teacher(), rows, path, keep_logits=k, batch_size=int(cfg.data.batch_size), pad=pad_id(tok),
+                      progress=progress)
+    return {**record, "kept": str(path), "kept_topk": k}
+
+
+def label_rows(samples: list) -> list[dict]:
+    """Each training sample as the kept store holds it: its tokens and the positions whose label is trained (the
+    logits there are what the loss reads)."""
+    return [{"ids": list(x.ids), "at": [p for p in range(len(x.ids) - 1) if x.trained[p + 1]]} for x in samples]
 
 
 def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable_thinking=None, max_turns=None,
@@ -192,29 +234,36 @@ def regenerated(path: Path, rows: int, counts: Counter) -> list[Conversation]:
     return out
 
 
-def chat_blocks(cfg, tok, record: dict) -> dict:
-    """{"train": [batch], "val": [batch], "prompts": (ids, mask), "counts": Counter} of the prepared corpus: every
-    conversation rendered, cut to data.block_size, batched per sample (train/chat.py)."""
-    d, s = cfg.data, cfg.sampler
-    _, held = split(cfg)
-    counts = Counter()
+def _samples(cfg, tok, convs, counts: Counter) -> list:
+    d = cfg.data
+    out = []
+    for c in convs:
+        x = render(tok, c.messages, d.enable_thinking)
+        x = last_turn_only(x) if d.last_turn_only else x
+        x = cut(x, d.block_size, counts)
+        if x is not None:
+            out.append(x)
+    return out
+
+
+def training_samples(cfg, tok, record: dict, counts: Counter) -> list:
+    """The prepared corpus' training samples (train/chat.py `Sample`), in the order `chat_blocks` numbers them."""
     if record.get("rows") is None:
         train, _ = split(cfg)
     else:
         train = regenerated(Path(record["source"]), record["documents"], counts)
+    return _samples(cfg, tok, train, counts)
+
+
+def chat_blocks(cfg, tok, record: dict) -> dict:
+    """{"train": [batch], "val": [batch], "prompts": (ids, mask), "counts": Counter, "samples": [Sample]} of the
+    prepared corpus: every conversation rendered, cut to data.block_size, batched per sample (train/chat.py); a
+    batch's "rows" index `samples`."""
+    d, s = cfg.data, cfg.sampler
+    _, held = split(cfg)
+    counts = Counter()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    def samples(convs):
-        out = []
-        for c in convs:
-            x = render(tok, c.messages, d.enable_thinking)
-            x = last_turn_only(x) if d.last_turn_only else x
-            x = cut(x, d.block_size, counts)
-            if x is not None:
-                out.append(x)
-        return out
-
-    train_s, val_s = samples(train), samples(held)
+    train_s, val_s = training_samples(cfg, tok, record, counts), _samples(cfg, tok, held, counts)
     if len(train_s) < d.batch_size:
         raise DraftsmithError(f"data.source={d.source}: {len(train_s)} conversations fit data.block_size="
                               f"{d.block_size}, fewer than one batch of {d.batch_size}: add conversations or raise "
@@ -227,7 +276,7 @@ def chat_blocks(cfg, tok, record: dict) -> dict:
 
     return {"train": chat_batches(train_s, d.batch_size, pad, seed=cfg.seed),
             "val": chat_batches(val_s, d.batch_size, pad, seed=cfg.seed)[: max(1, d.val_blocks // d.batch_size)],
-            "prompts": prompt_tensor(prompts, tok, s.prompt_tokens + 64), "counts": counts}
+            "prompts": prompt_tensor(prompts, tok, s.prompt_tokens + 64), "counts": counts, "samples": train_s}
 
 
 def print_samples(tok, blocks: dict, n: int) -> None:

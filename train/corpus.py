@@ -329,6 +329,44 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     return out_path
 
 
+def keep_label_logits(target, rows: list[dict], out_path: str | Path, *, keep_logits: int, batch_size: int = 8,
+                      pad: int = 0, progress: bool = True) -> Path:
+    """The target's top-k logits at given positions of token rows it did not sample (data=chat: each training
+    sample's assistant labels), in the store `generate_corpus` keeps: a JSONL of rows ({"ids", "at": the label
+    positions kept}) and beside it one file of logits per batch (`logits_dir`, read back by `sampled_logits`).
+    One teacher pass, resumable after its last whole batch (logits written before their rows), a full disk said in
+    one line with what was written kept."""
+    from tqdm import tqdm
+
+    from draftsmith.train.generation import label_batches
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _complete_rows(out_path, batch_size, len(rows))
+    todo = rows[done:]
+    if progress and todo:
+        per_row = max(len(r["at"]) for r in rows)
+        print(store_estimate(len(rows), per_row, keep_logits, where=out_path.parent), flush=True)
+    written = [done]
+    full = disk_full("the target's kept logits (teacher pass)", out_path,
+                     need=lambda: sum(len(r["at"]) for r in rows[written[0]:]) * keep_logits * (2 + 4),
+                     then=lambda: (f"free space or point DRAFTSMITH_HOME at a larger disk, and rerun: the {written[0]} "
+                                   "samples done are kept and the pass continues after them"))
+    batches = label_batches(target, [r["ids"] for r in todo], [r["at"] for r in todo], batch_size,
+                            keep_logits=keep_logits, pad=pad) if todo else (b for b in ())
+    with full, out_path.open("a") as f, tqdm(total=len(rows), initial=done, disable=not progress,
+                                             desc="the target's logits kept (teacher pass)") as bar, closing(batches):
+        for start, record, _ in batches:
+            _write_logits(out_path, done + start, record)  # before the rows: a row in the file has its logits
+            chunk = todo[start: start + batch_size]
+            for r in chunk:
+                f.write(json.dumps({"ids": r["ids"], "at": r["at"]}) + "\n")
+            f.flush()
+            written[0] = done + start + len(chunk)
+            bar.update(len(chunk))
+    return out_path
+
+
 def store_estimate(samples: int, new_tokens: int, k: int, features: int = 0, prompt_tokens: int = 0,
                    where: Path | None = None) -> str:
     """One line: what the kept store of `samples` will hold at most (fp16 log-probabilities and int32 ids per sampled
@@ -411,11 +449,12 @@ def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None
             row = rows[first + j]
             if "ids" not in row:
                 continue
-            want = row["ids"][row["prompt_tokens"]:]
+            chat = "at" in row  # `keep_label_logits`' row: its kept steps are the labels at positions `at`
+            want = [row["ids"][p + 1] for p in row["at"]] if chat else row["ids"][row["prompt_tokens"]:]
             toks = tokens[at[j]: at[j] + n].tolist()
-            if toks[: len(want)] == want and len(toks) - len(want) == int(row["eos"]):
+            if toks[: len(want)] == want and len(toks) - len(want) == (0 if chat else int(row["eos"])):
                 start[first + j] = offset + at[j]
-                if has_features and positions[j] == row["prompt_tokens"] - 1 + n:
+                if has_features and not chat and positions[j] == row["prompt_tokens"] - 1 + n:
                     fstart[first + j] = foffset + fat[j]
         used.append(f)
         offset += n_values
@@ -470,4 +509,32 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
                      else torch.zeros(0, cache.n_features, dtype=torch.float16))
             extra = {"feature_at": flocal, "features": feats}
         filled += cache.prefill(local, values, index, rows=blocks, min_known=min_known, **extra)
+    return filled
+
+
+def prefill_labels(cache, path: Path, rows: list[dict], samples: list[list[int]], chunk_bytes: int = 256 << 20) -> int:
+    """Fill `cache` (one block a sample, train/teacher.py) from `keep_label_logits`' store at `path`: sample i takes
+    row i's kept logits at its positions `at` (the rest of it is known to have none: no loss is taken there); a
+    sample whose row is missing or holds other tokens is left to the teacher pass. In chunks of about `chunk_bytes`
+    of the cache's records. Returns the samples filled."""
+    kept = sampled_logits(path, rows)
+    if kept is None:
+        return 0
+    filled, per = 0, max(1, chunk_bytes // cache.record)
+    for lo in range(0, len(samples), per):
+        block = torch.arange(lo, min(lo + per, len(samples)))
+        src = torch.full((len(block), cache.positions), -1, dtype=torch.long)
+        for j, i in enumerate(block.tolist()):
+            if i < len(rows) and kept.start[i] >= 0 and rows[i]["ids"] == samples[i]:
+                at = torch.tensor(rows[i]["at"], dtype=torch.long)
+                src[j, at] = int(kept.start[i]) + torch.arange(len(at))  # each label's entry, in order
+        have = src >= 0
+        if not have.any():
+            continue
+        values, index = kept.take(src[have], ("values", "index"))
+        local = torch.full_like(src, -1)
+        local[have] = torch.arange(int(have.sum()))
+        # every sample with a kept label fills (its other positions carry no loss), none without: those go to the
+        # teacher pass, and a rank without the target is refused them up front (train/draft.py)
+        filled += cache.prefill(local, values, index, rows=block, min_known=1e-9)
     return filled

@@ -42,7 +42,14 @@ from draftsmith.train import budget, chatcorpus, schema
 from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 from draftsmith.train.callbacks import AcceptanceCallback
 from draftsmith.train.chat import padding_share
-from draftsmith.train.corpus import generate_corpus, load_blocks, pair_rows, prefill_teacher, sampled_rows
+from draftsmith.train.corpus import (
+    generate_corpus,
+    load_blocks,
+    pair_rows,
+    prefill_labels,
+    prefill_teacher,
+    sampled_rows,
+)
 from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
@@ -179,12 +186,20 @@ def train(cfg: DictConfig) -> dict:
     topk = cfg.loss.get("teacher_topk", 0)
     feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
     online = feature and cfg.data.get("features", "stored") == "online"  # the target's pass in every step instead
-    teacher_cache = TeacherCache(len(blocks["train"]), cfg.data.block_size - 1, topk, target_config.vocab_size,
+    if chat and topk and feature:
+        print("draftsmith: data=chat with draft.kind=feature_head: the target runs in every training step (the head "
+              "reads its features at every context token, which the chat store does not keep); loss.teacher_topk is "
+              "not used", flush=True)
+    # data=chat: a block is a sample, as wide as the widest batch (whose width is rounded up, past the longest sample)
+    rows, width = ((len(blocks["samples"]), max([b["ids"].shape[1] for b in blocks["train"]]
+                                                + [len(x.ids) for x in blocks["samples"]])) if chat
+                   else (len(blocks["train"]), cfg.data.block_size))
+    teacher_cache = TeacherCache(rows, width - 1, topk, target_config.vocab_size,
                                  draft.token_ids() if feature and draft.pruned else head_tokens,
                                  features=3 * target_config.hidden_size if feature else 0,
-                                 directory=out_dir) if topk and not online and not chat else None
+                                 directory=out_dir) if topk and not online and not (chat and feature) else None
     # where the target is held: with several ranks, on rank 0 alone when training never calls it (target.ranks)
-    why = _training_calls_target(cfg, feature, online, teacher_cache, "train_src" in blocks)
+    why = _training_calls_target(cfg, feature, online, teacher_cache, "train_src" in blocks or "kept" in data)
     first_only = _target_ranks(placement, why) and launch.world_size > 1
     if teacher_cache is not None and "train_src" in blocks:
         # a rank without the target cannot fill a block's gaps: each block trains on the positions its corpus kept
@@ -197,6 +212,14 @@ def train(cfg: DictConfig) -> dict:
             why = (f"{len(blocks['train']) - filled} of {len(blocks['train'])} training blocks lack kept logits "
                    f"(loss.teacher_topk={topk} needs as many kept per token)")
             first_only = _target_ranks(placement, why)
+    elif teacher_cache is not None and chat and "kept" in data:  # the teacher pass chatcorpus.prepare kept
+        samples = [x.ids for x in blocks["samples"]]
+        filled = prefill_labels(teacher_cache, Path(data["kept"]), sampled_rows(data["kept"]) or [], samples)
+        print(f"draftsmith: {filled} of {len(samples)} training samples take the target's top-{topk} logits kept "
+              f"in {data['kept']}: no teacher pass over those", flush=True)
+        if filled < len(samples):  # a store cut short or of other samples: those go to the teacher pass
+            why = f"{len(samples) - filled} of {len(samples)} training samples lack kept logits"
+            first_only = _target_ranks(placement, why) and launch.world_size > 1
     if target is None and not first_only:
         target = _load_target(cfg)
     if not launch.first:

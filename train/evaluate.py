@@ -9,7 +9,7 @@ from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
+from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id, user_turn
 from draftsmith.sampling.rejection import teacher_forced_acceptance
 from draftsmith.train.feature import feature_alpha
 from draftsmith.train.onpolicy import Batch
@@ -22,16 +22,20 @@ CHAT_PROMPT_TOKENS = 256  # a chat prompt's most tokens: longer first turns are 
 
 def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int | None, k: int, temperature: float,
                       top_p: float, top_k: int = 0, max_new_tokens: int = 64, seed: int = 0,
-                      on_target: bool = False, enable_thinking: bool | None = None) -> dict:
-    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths; `chat` is the held-out ShareGPT
-    split's first turns rendered through the target's chat template (`enable_thinking` passed to it), the others
-    raw openings as they are shipped."""
+                      on_target: bool = False, chat: dict | None = None) -> dict:
+    """{prompt set: acceptance(...)} for shipped prompt set names or JSONL paths. `chat` is the held-out ShareGPT
+    split's first turns through the target's chat template. With `chat` ({"enable_thinking"}: a draft trained
+    through the template) every other set's prompts are one user turn through it too, as the draft met its prompts
+    in training; without, they are raw openings as shipped."""
+    thinking = (chat or {}).get("enable_thinking")
     out = {}
     for ps in prompt_sets:
         if ps == CHAT_SET:
-            texts, special = chat_prompts(tokenizer, n_prompts or 8, enable_thinking), False
+            texts, special = chat_prompts(tokenizer, n_prompts or 8, thinking), False
         else:
-            texts, special = [r["prompt"] for r in load_prompts(ps, n_prompts)], True
+            texts = [r["prompt"] for r in load_prompts(ps, n_prompts)]
+            texts, special = (texts, True) if chat is None else ([user_turn(tokenizer, t, thinking) for t in texts],
+                                                                 False)  # the template writes the BOS
         out[ps] = acceptance(target, draft, tokenizer, texts, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_new_tokens=max_new_tokens, seed=seed, on_target=on_target, special_tokens=special)
     return out

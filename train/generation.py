@@ -102,6 +102,29 @@ def teacher_batches(target, rows: list[list[int]], completions: list[list[int]],
         yield start, chunk, comp, record if keep_logits else None, time.perf_counter() - t0
 
 
+def label_batches(target, rows: list[list[int]], at: list[list[int]], batch_size: int, *, keep_logits: int,
+                  pad: int = 0):
+    """Token rows the target did not sample (a conversation, data=chat) through one batched teacher pass: the
+    target's top-k log-probabilities at the positions `at` of each row (a position's logits are those its next
+    token, the label trained on, is drawn from), in the record our loop keeps (`values`, `index` row-major, `steps`:
+    len(at) a row, `tokens`: the labels), so `train/corpus.py` writes them to the same store. Right-padded: a row
+    from position 0, as training feeds it; causal attention keeps the padding out of every real position."""
+    for start in range(0, len(rows), batch_size):
+        chunk, where = rows[start: start + batch_size], at[start: start + batch_size]
+        width = max(len(r) for r in chunk)
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in chunk])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk])
+        t0 = time.perf_counter()
+        dev = next(target.parameters()).device
+        with torch.no_grad():
+            logits = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).logits
+        picked = torch.cat([logits[r, torch.tensor(a, dtype=torch.long, device=dev)] for r, a in enumerate(where)])
+        values, index = (t.cpu() for t in top_logprobs(picked, keep_logits))  # the top-k on the device: k of V cross
+        record = {"values": values, "index": index, "steps": torch.tensor([len(a) for a in where]),
+                  "tokens": torch.tensor([r[p + 1] for r, a in zip(chunk, where) for p in a], dtype=torch.long)}
+        yield start, record, time.perf_counter() - t0
+
+
 def _own_record(tokens: list[torch.Tensor], kept: list, prefill=None) -> dict:
     """The batch's kept logits, row-major: row r's steps are its sampled tokens, in order (a stable sort by row keeps
     each row's steps in the order they were drawn). With `prefill` = (the prefill's features (B, P - 1, F), the

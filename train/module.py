@@ -99,8 +99,12 @@ class DraftModule(L.LightningModule):
         (the draft's logits'); `teacher(sub_batch)` runs the target on the rows it has not seen yet (chosen on the
         host: the cache knows which)."""
         cache = self.teacher_cache
-        logits, feats = cache.outputs(rows, lambda miss: teacher(Batch(b.ids[miss.nonzero().squeeze(1).to(
-            b.ids.device)])), self.device, dtype)
+
+        def unseen(miss):  # the rows the cache has not seen, with their padding mask (a chat batch's)
+            sel = miss.nonzero().squeeze(1).to(b.ids.device)
+            return teacher(Batch(b.ids[sel], None if b.mask is None else b.mask[sel]))
+
+        logits, feats = cache.outputs(rows, unseen, self.device, dtype, width=b.ids.shape[1] - 1)
         self.log("train/teacher_cache_hit_rate", cache.hit_rate)
         return logits, feats
 
@@ -124,7 +128,8 @@ class DraftModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if isinstance(batch, dict):  # data=chat: one sample a row from position 0, the loss on assistant tokens
-            b, rows = Batch(batch["ids"], batch["mask"], batch["loss_mask"]), None
+            # its sample indices key the target's logits kept for them (loss.teacher_topk), when there are any
+            b, rows = Batch(batch["ids"], batch["mask"], batch["loss_mask"]), batch.get("rows")
             ids = b.ids
         else:
             ids = batch[0] if isinstance(batch, (list, tuple)) else batch

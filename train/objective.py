@@ -78,8 +78,8 @@ class IndependentObjective:
             parts = [] if n == 0 else [self._head_columns(Batch(
                 b.ids[:n], None if b.mask is None else b.mask[:n]).logits(m.target))]
             if n < len(b.ids):
-                parts.append(m.kept_outputs(Batch(b.ids[n:]), rows[n:], lambda sub: (sub.logits(m.target), None),
-                                            dtype)[0])
+                parts.append(m.kept_outputs(Batch(b.ids[n:], None if b.mask is None else b.mask[n:]), rows[n:],
+                                            lambda sub: (sub.logits(m.target), None), dtype)[0])
             return parts[0] if len(parts) == 1 else torch.cat(parts)  # cat copies even one part: a (B, P, V) copy
 
     def _unknown(self, m, b: Batch, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -88,6 +88,7 @@ class IndependentObjective:
         if m.teacher_cache is None or rows is None:
             return None
         known = m.teacher_cache.known_rows(rows[b.sampled:])
+        known = None if known is None else known[:, : b.ids.shape[1] - 1]  # a chat batch: as wide as it is
         if known is None or bool(known.all()):
             return None
         unknown = torch.zeros(b.ids.shape[0], b.ids.shape[1] - 1, dtype=torch.bool)

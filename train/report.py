@@ -21,16 +21,19 @@ from draftsmith.train.rundir import sharded
 from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 
-def trained_through_template(cfg) -> bool:
-    """Whether training rendered its samples through the target's chat template (data=chat, data.chat_template)."""
-    return cfg.data.get("format") == "chat" or bool(cfg.data.get("chat_template"))
+def chat_of(cfg) -> dict | None:
+    """{"enable_thinking"} for a run that trained through the target's chat template (data=chat, or
+    data.chat_template=true: prompts as one user turn), else None: its acceptance is measured through it too."""
+    if cfg.data.get("format") == "chat" or cfg.data.get("chat_template"):
+        return {"enable_thinking": cfg.data.get("enable_thinking")}
+    return None
 
 
 def eval_sets(cfg) -> list[str]:
     """eval.prompt_sets, with the held-out chat set first when training went through the template: a draft trained
-    on what a chat target writes is judged on it too (the raw code and English openings stay, as they are)."""
+    on what a chat target writes is judged on it too."""
     sets = list(cfg.eval.prompt_sets)
-    return [CHAT_SET] + sets if trained_through_template(cfg) and CHAT_SET not in sets else sets
+    return [CHAT_SET] + sets if chat_of(cfg) is not None and CHAT_SET not in sets else sets
 
 
 def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
@@ -41,7 +44,7 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
         out[name] = acceptance_by_set(target, draft, tokenizer, eval_sets(cfg), n_prompts=cfg.eval.n_prompts,
                                       k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                       max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed, on_target=True,
-                                      enable_thinking=cfg.data.get("enable_thinking"))
+                                      chat=chat_of(cfg))
         if cost and name != "baseline_cut_target":
             for res in out[name].values():
                 res["predicted_speedup"] = predicted_speedup(res["alpha"], s.k, cost["c"], cost["v"][s.k])
@@ -79,9 +82,7 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "monitor": cfg.checkpoint.monitor,
         "best_score": float(checkpoint_cb.best_model_score) if checkpoint_cb.best_model_score is not None else None,
         "sampler": {"k": cfg.sampler.k, "temperature": cfg.sampler.temperature, "top_p": cfg.sampler.top_p},
-        # how training rendered its samples: the card and `generate --chat` follow it
-        "chat_template": {"trained_through": trained_through_template(cfg),
-                          "enable_thinking": cfg.data.get("enable_thinking")},
+        "chat_template": chat_of(cfg),  # trained through the template: its acceptance measured through it
         "c": cost["c"],
         "cost": cost,
         "cost_at_fit_start": acceptance_cb.cost,
@@ -106,7 +107,8 @@ def print_report(report: dict) -> None:
     print(f"\nbest draft: {report['best_draft']}")
     print(f"  (checkpoint {report['best_checkpoint']}, {report['monitor']} = {report['best_score']})")
     print(f"acceptance at T={s['temperature']}, top-p={s['top_p']}, K={s['k']} on held-out prompt sets (tau: {TAU}, "
-          "tokens per target call):")
+          "tokens per target call)" + (", each prompt one user turn through the target's chat template (data=chat)"
+                                       if report.get("chat_template") else "") + ":")
     print(f"  {'draft':<22}{'prompts':<10}{'alpha':>8}{'alpha_analytic':>16}{'alpha_on_target':>17}{'tau':>10}"
           f"{'pred. speed-up':>16}")
     for name, sets in report["eval"].items():

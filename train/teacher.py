@@ -160,18 +160,19 @@ class TeacherCache:
         unseen blocks only."""
         return self.outputs(rows, lambda miss: (teacher(miss), None), device, dtype)[0]
 
-    def outputs(self, rows: torch.Tensor, teacher, device=None, dtype=torch.float32):
+    def outputs(self, rows: torch.Tensor, teacher, device=None, dtype=torch.float32, width: int | None = None):
         """(logits as `logits` gives them, features (B, positions, F) or None), on `device` (default: the host) in
         `dtype` (the training step's: a (B, P, V) tensor in fp32 is twice what it needs to be); `teacher(mask)`
         gives the target's (logits, features) of the batch rows `mask` selects, called for unseen blocks only.
-        Only what is kept crosses between host and device: the top-k in, the records out."""
+        Only what is kept crosses between host and device: the top-k in, the records out. `width`: the first that
+        many positions only (a padded chat batch narrower than the longest sample: the rest is padding)."""
         rows = rows.cpu()
         miss = ~self.filled[rows]
         if miss.any():
             self._store(rows[miss], *teacher(miss.to(torch.bool)))
         self.misses += int(miss.sum())
         self.hits += len(rows) - int(miss.sum())
-        got = {k: v.to(device) for k, v in self.read(rows).items()}
+        got = {k: v[:, :width].to(device) for k, v in self.read(rows).items()}
         idx, fill = got["index"].long(), got["fill"].to(dtype)
         spare = self.column_of is not None
         if spare:
@@ -188,10 +189,12 @@ class TeacherCache:
 
     def _store(self, rows: torch.Tensor, logits: torch.Tensor, features: torch.Tensor | None = None) -> None:
         top, idx = top_logprobs(logits.detach(), self.k)  # on the device: only the kept top-k come to the host
-        parts = {"values": top.cpu(), "index": idx.cpu()}
+        short = self.positions - top.shape[1]  # a narrow chat batch: the record's tail is padding, never read
+        parts = {"values": torch.nn.functional.pad(top.cpu(), (0, 0, 0, short)),
+                 "index": torch.nn.functional.pad(idx.cpu(), (0, 0, 0, short))}
         parts["fill"] = _tail_fill(parts["values"], self.vocab, self.k)
         if self.n_features:
-            parts["features"] = half_features(features)
+            parts["features"] = torch.nn.functional.pad(half_features(features), (0, 0, 0, short))
         self.write(rows, **parts)
         self.filled[rows] = True
         if self.known is not None:
