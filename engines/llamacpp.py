@@ -37,9 +37,10 @@ from draftsmith.engines.base import Engine, Output
 
 VERSION = "0.3.36"
 INSTALL = "draftsmith engines install llamacpp"
-# the first llama.cpp with EAGLE-3 (PR #18039, merged into ggml-org/llama.cpp; llama-cpp-python 0.3.36 vendors a
-# tree that has it): what a refusal names when a build lacks it
-EAGLE3_SINCE = "llama.cpp with PR #18039 (EAGLE-3), as vendored by llama-cpp-python 0.3.36"
+# the llama.cpp change that brought EAGLE-3 (PR #18039, merged into ggml-org/llama.cpp) and a tree known to have it
+# (llama-cpp-python 0.3.36 vendors ggml-org/llama.cpp@0c1e57098, its CHANGELOG): what a refusal names
+EAGLE3_SINCE = ("llama.cpp with PR #18039 (EAGLE-3), e.g. ggml-org/llama.cpp@0c1e57098 as vendored by "
+                "llama-cpp-python 0.3.36")
 
 
 def home() -> Path:

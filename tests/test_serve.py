@@ -250,16 +250,18 @@ def test_the_chat_set_has_a_second_turn_for_every_conversation():
 
 
 def test_serve_at_batch_sizes_in_our_sampler_and_refused_by_transformers(self_bundle, tmp_path, capsys):
-    """--batch 1 2: a row per size; our sampler serves two requests as one left-padded batch, and with the target as
-    its own draft tau is still K+1 per loop (13 tokens: 3 full loops of 4 and a cut one, each row)."""
+    """--batch 1 2: a row per size; our sampler serves two requests as one left-padded batch (three prompts: a
+    batch of two, then one), and with the target as its own draft tau is still K+1 per loop (9 tokens at K=2: three
+    full loops of 3, each row), padding or not."""
     out = tmp_path / "b.json"
     assert serve.main([str(self_bundle), "--engine", "draftsmith", "--prompts", "math", "--n-prompts", "3",
-                       "--max-new-tokens", "13", "-k", "3", "--temperatures", "0", "--raw", "--batch", "1", "2",
+                       "--max-new-tokens", "9", "-k", "2", "--temperatures", "0", "--raw", "--batch", "1", "2",
                        "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["batches"] == [1, 2] and [(r["batch"], r["turn"]) for r in rep["rows"]] == [(1, 1), (2, 1)]
     for r in rep["rows"]:
-        assert r["prompts"] == 3 and r["tokens_per_call"] == pytest.approx(13 / 4) and r["tok_s_speculative"] > 0
+        assert r["prompts"] == 3 and r["tokens_per_call"] == pytest.approx(3.0) and r["tok_s_speculative"] > 0
+        assert r["new_tokens_plain"] == r["new_tokens_speculative"] == 27
     assert " batch" in capsys.readouterr().out
     assert serve.main([str(self_bundle), "--engine", "transformers", "--prompts", "math", "--raw", "--batch",
                        "4"]) == 2
