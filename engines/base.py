@@ -18,6 +18,9 @@ class Job:
     temperature: float  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    # the prompts served at once, as one batch (`bench serve --batch`), by an engine that batches; otherwise one
+    # after another (the judge's jobs: each prompt's samples must not depend on what runs beside it)
+    batched: bool = False
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Engine:
     """One engine, opened on one bundle; `install()`, where an engine needs one, is its module's."""
 
     name = "?"
+    batches = True  # serves several requests at once (a `Job.batched`); transformers' assisted generation does not
     precision = "fp32"  # what the engine computes the target in: the greedy check's rounding band (conformance)
 
     def version(self) -> str:

@@ -25,6 +25,9 @@ class DraftsmithEngine(InProcess):
     def run(self, jobs, speculative):
         outs = []
         for job in jobs:
+            if job.batched and job.n == 1:
+                outs.append(self._batch(job, speculative))
+                continue
             g = seeded(device_of(self.target), job.seed)
             tokens, seconds, drafted, accepted = [], 0.0, 0, 0
             counts = {"target_passes": 0, "accepted_at": [], "tested_at": []}  # our sampler's per-row counts
@@ -50,6 +53,28 @@ class DraftsmithEngine(InProcess):
             outs.append(Output(tokens, seconds, drafted if speculative else None, accepted if speculative else None,
                                counts if speculative else {}))
         return outs
+
+
+    def _batch(self, job, speculative) -> Output:
+        """The job's prompts as one left-padded batch (one sample each), as a server batches requests."""
+        width = max(len(p) for p in job.prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in job.prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in job.prompts])
+        kw = dict(max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
+                  eos_token_id=self.eos, generator=seeded(device_of(self.target), job.seed), attention_mask=mask)
+        counts = {"target_passes": 0, "accepted_at": [], "tested_at": []}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if speculative:
+                gen = speculative_generate(self.target, self.draft, ids, k=self.k, **kw)
+                _add(counts, gen.stats)
+            else:
+                gen = autoregressive_generate(self.target, ids, **kw)
+        seconds = time.perf_counter() - t0
+        tokens = [[t.tolist()] for t in gen.tokens]
+        if not speculative:
+            return Output(tokens, seconds)
+        return Output(tokens, seconds, gen.stats.drafted, gen.stats.accepted, counts)
 
 
 def _add(counts: dict, stats) -> None:

@@ -6,6 +6,13 @@
   and needs sentencepiece there.
 - Launch: `llama-server -m target.gguf [-md draft.gguf]` on a free local port, one request per sample, both models
   converted to GGUF by its own converter (f32, so the judge's fp32 probabilities are the engine's), cached by hash.
+- Feature drafts (EAGLE-3): the vendored converter (llama.cpp's PR #18039, "add EAGLE3 speculative decoding
+  support", in llama-cpp-python 0.3.36's tree) turns the bundle's `LlamaForCausalLMEagle3` draft, `d2t` included,
+  into an EAGLE3 GGUF given `--target-model-dir`; the server runs it with `--spec-type draft-eagle3`, reading the
+  target layers the draft's config names (`eagle_aux_hidden_state_layer_ids`; each the input of that layer, as
+  ours and vLLM's). A build without it is refused in one line (`eagle3_missing`).
+- Batching: `Job.batched` requests go to the server at once, on `-np B` slots (continuous batching), each slot
+  with its own draft state.
 - Quirks: without `--spec-type draft-simple` the server loads the draft and never drafts; its sampler chain must be
   set to HF's order (temperature, then top-p) with min-p and top-k off to sample the same distribution.
 """
@@ -30,6 +37,10 @@ from draftsmith.engines.base import Engine, Output
 
 VERSION = "0.3.36"
 INSTALL = "draftsmith engines install llamacpp"
+# the llama.cpp change that brought EAGLE-3 (PR #18039, merged into ggml-org/llama.cpp) and a tree known to have it
+# (llama-cpp-python 0.3.36 vendors ggml-org/llama.cpp@0c1e57098, its CHANGELOG): what a refusal names
+EAGLE3_SINCE = ("llama.cpp with PR #18039 (EAGLE-3), e.g. ggml-org/llama.cpp@0c1e57098 as vendored by "
+                "llama-cpp-python 0.3.36")
 
 
 def home() -> Path:
@@ -102,6 +113,18 @@ def _run(cmd: list[str], what: str) -> None:
         raise DraftsmithError(f"llama.cpp's install failed {what} (exit {code}; the whole output: {log}): {tail}")
 
 
+def eagle3_missing(where: Path | None = None) -> str | None:
+    """Why this llama.cpp cannot serve a feature (EAGLE-3) draft, or None: its converter must know the EAGLE3
+    architecture and its server the `draft-eagle3` speculative type."""
+    src = (where or home()) / "src"
+    files = [src / "conversion" / "llama.py", src / "convert_hf_to_gguf.py", src / "common" / "speculative.cpp"]
+    text = "".join(f.read_text(errors="replace") for f in files if f.is_file())
+    if "LlamaForCausalLMEagle3" in text and "draft-eagle3" in text:
+        return None
+    return (f"the llama.cpp in {where or home()} cannot serve a feature (EAGLE-3) draft: it needs {EAGLE3_SINCE}; "
+            f"rebuild it with `{INSTALL}` after removing that folder, or judge the bundle with --engine vllm")
+
+
 class LlamaCppEngine(Engine):
     """llama.cpp's server: `-m target.gguf`, plus `-md draft.gguf --draft-max K` for speculative decoding. One
     request per sample (each with its own seed), token ids in and out; its sampler chain is set to HF's order
@@ -117,6 +140,11 @@ class LlamaCppEngine(Engine):
         self.server = home() / "bin" / "llama-server"
         self.converter = home() / "src" / "convert_hf_to_gguf.py"
         self.k = int(bundle.spec["recommended_k"])
+        from draftsmith.sampling.feature import is_feature_dir
+
+        self.eagle3 = is_feature_dir(bundle.draft_dir)
+        if self.eagle3 and (why := eagle3_missing()):
+            raise DraftsmithError(why)
 
     def version(self) -> str:
         return (home() / "VERSION").read_text().strip() if (home() / "VERSION").is_file() else "?"
@@ -126,17 +154,23 @@ class LlamaCppEngine(Engine):
         # cheaper draft step (c) is the whole of what Q8_0 changes
         return {} if self.draft_type != "f32" else {"Q8_0 draft": LlamaCppEngine(self.bundle, self.timeout_s, "q8_0")}
 
-    def gguf(self, model_dir: Path, outtype: str = "f32") -> Path:
-        """The model converted to GGUF (`outtype`: f32, or q8_0 for a draft) once, cached by its weights' hash."""
+    def gguf(self, model_dir: Path, outtype: str = "f32", target_dir: Path | None = None) -> Path:
+        """The model converted to GGUF (`outtype`: f32, or q8_0 for a draft) once, cached by its weights' hash.
+        `target_dir`: a feature draft's target, whose config and tokenizer its EAGLE3 GGUF takes (part of the hash)."""
         names = [f.name for f in sorted(model_dir.glob("*.safetensors"))] + ["config.json"]
         suffix = "" if outtype == "f32" else f"-{outtype}"
-        out = home() / "gguf" / f"{files_sha256(model_dir, names)[:16]}{suffix}.gguf"
+        key = files_sha256(model_dir, names)[:16]
+        extra = []
+        if target_dir is not None:
+            key += "-eagle3-" + files_sha256(target_dir, ["config.json"])[:8]
+            extra = ["--target-model-dir", str(target_dir)]
+        out = home() / "gguf" / f"{key}{suffix}.gguf"
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".partial")
             env = {**os.environ, "PYTHONPATH": str(self.converter.parent / "gguf-py")}  # the converter's own gguf
             res = subprocess.run([sys.executable, str(self.converter), str(model_dir), "--outtype", outtype,
-                                  "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+                                  "--outfile", str(tmp), *extra], capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 tail = "\n".join(res.stderr.strip().splitlines()[-8:])
                 raise DraftsmithError(f"llama.cpp's converter failed on {model_dir}:\n{tail}")
@@ -148,11 +182,19 @@ class LlamaCppEngine(Engine):
         import urllib.request
 
         target = self.gguf(self.bundle.target_dir)
-        cmd = [str(self.server), "-m", str(target), "-c", "1024", "-np", "1", "-t", str(torch.get_num_threads()),
-               "--host", "127.0.0.1"]
+        # slots: the largest batch served at once; each slot's window holds the longest prompt and its answer
+        slots = max([len(j.prompts) for j in jobs if j.batched] + [1])
+        window = max([len(p) + j.max_new_tokens + 8 for j in jobs for p in j.prompts] + [1024])
+        cmd = [str(self.server), "-m", str(target), "-c", str(window * slots), "-np", str(slots),
+               "-t", str(torch.get_num_threads()), "--host", "127.0.0.1"]
         if speculative:
-            # without --spec-type the server loads the draft and never drafts (llama.cpp of llama-cpp-python 0.3.36)
-            cmd += ["-md", str(self.gguf(self.bundle.draft_dir, self.draft_type)), "--spec-type", "draft-simple",
+            # without --spec-type the server loads the draft and never drafts (llama.cpp of llama-cpp-python 0.3.36);
+            # a feature draft is an EAGLE3 GGUF, made with the target's config and tokenizer
+            if self.eagle3:
+                draft = self.gguf(self.bundle.draft_dir, self.draft_type, target_dir=self.bundle.target_dir)
+            else:
+                draft = self.gguf(self.bundle.draft_dir, self.draft_type)
+            cmd += ["-md", str(draft), "--spec-type", "draft-eagle3" if self.eagle3 else "draft-simple",
                     "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", "0"]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -191,15 +233,15 @@ class LlamaCppEngine(Engine):
             bar = tqdm(total=sum(len(j.prompts) * j.n for j in jobs), desc=f"llama.cpp {mode}", unit="request",
                        file=sys.stderr, leave=False)  # one request per sample: thousands for the chi-square
             for job in jobs:
+                if job.batched and job.n == 1:  # the prompts at once, one slot each
+                    outs.append(self._batch(job, post, bar, speculative))
+                    continue
                 tokens, seconds, drafted, accepted, i = [], 0.0, 0, 0, 0
                 for prompt in job.prompts:
                     rows = []
                     for _ in range(job.n):
                         bar.update()
-                        body = {"prompt": prompt, "n_predict": job.max_new_tokens, "temperature": job.temperature,
-                                "top_p": job.top_p, "top_k": 0, "min_p": 0.0, "seed": job.seed + i,
-                                "samplers": ["temperature", "top_p"], "return_tokens": True,
-                                "cache_prompt": True}
+                        body = _body(job, prompt, job.seed + i)
                         i += 1
                         t0 = time.perf_counter()
                         r = post(body)
@@ -220,3 +262,27 @@ class LlamaCppEngine(Engine):
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
+
+    def _batch(self, job, post, bar, speculative) -> Output:
+        """The job's prompts sent together (a thread each), served at once on the server's slots; its time is the
+        batch's wall time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(job.prompts)) as pool:
+            res = list(pool.map(post, [_body(job, p, job.seed + i) for i, p in enumerate(job.prompts)]))
+        seconds = time.perf_counter() - t0
+        bar.update(len(res))
+        timing = [r.get("timings", {}) for r in res]
+        drafted = sum(int(t.get("draft_n", 0)) for t in timing)
+        accepted = sum(int(t.get("draft_n_accepted", 0)) for t in timing)
+        return Output([[list(r["tokens"])] for r in res], seconds, drafted if speculative else None,
+                      accepted if speculative else None)
+
+
+def _body(job, prompt: list[int], seed: int) -> dict:
+    """One /completion request: token ids in and out, HF's sampler order (temperature, then top-p), top-k and min-p
+    off."""
+    return {"prompt": prompt, "n_predict": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
+            "top_k": 0, "min_p": 0.0, "seed": seed, "samplers": ["temperature", "top_p"], "return_tokens": True,
+            "cache_prompt": True}

@@ -18,6 +18,7 @@ class TransformersEngine(InProcess):
     as transformers requires); plain decoding too, except the chi-square's thousands of draws (one batched call)."""
 
     name = "transformers"
+    batches = False  # assisted generation takes one sequence a call: `bench serve --batch` above 1 is refused
     pruned_head = False  # its users load the draft with AutoModelForCausalLM: the full head, exact all the same
 
     def __init__(self, bundle, dtype: str = "fp32"):

@@ -274,8 +274,10 @@ class VllmEngine(Engine):
             spec["model"] = str(self.bundle.draft_dir.resolve())
             if self.k is not None:
                 spec["num_speculative_tokens"] = self.k
+        # the window: the longest prompt and its answer (a chat turn 2 holds turn 1 and its answer), 512 at least
+        window = max([len(p) + j.max_new_tokens + 8 for j in jobs for p in j.prompts] + [512])
         request = {"target": str(self.bundle.target_dir), "speculative_config": spec, "dtype": self.dtype,
-                   "jobs": [asdict(j) for j in jobs]}
+                   "max_model_len": window, "jobs": [asdict(j) for j in jobs]}
         with tempfile.TemporaryDirectory() as tmp:
             req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
             req.write_text(json.dumps(request))

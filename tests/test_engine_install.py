@@ -59,3 +59,34 @@ def test_the_llamacpp_installer_refuses_in_one_line_without_a_compiler_and_lists
     assert listed.returncode == 0
     assert f"llamacpp     llama.cpp is not built ({tmp_path / 'llamacpp' / 'bin' / 'llama-server'} missing): run " \
            "`draftsmith engines install llamacpp`" in listed.stdout, listed.stdout
+
+
+def test_a_llamacpp_build_without_eagle3_is_named_in_one_line(tmp_path, monkeypatch):
+    """A feature (EAGLE-3) bundle needs a llama.cpp whose converter knows LlamaForCausalLMEagle3 and whose server has
+    `--spec-type draft-eagle3`: a build without them is refused in one line naming the llama.cpp that has it."""
+    from draftsmith.deploy.bundle import Bundle
+    from draftsmith.engines import llamacpp
+    from draftsmith.engines.llamacpp import EAGLE3_SINCE, LlamaCppEngine, eagle3_missing
+    from draftsmith.sampling.errors import DraftsmithError
+
+    src = tmp_path / "src"
+    (src / "conversion").mkdir(parents=True)
+    (src / "common").mkdir()
+    (src / "convert_hf_to_gguf.py").write_text("# an older converter\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").write_text("")
+    why = eagle3_missing(tmp_path)
+    assert why and "\n" not in why and "PR #18039" in EAGLE3_SINCE and EAGLE3_SINCE in why
+    (src / "conversion" / "llama.py").write_text('"LlamaForCausalLMEagle3",\n')
+    (src / "common" / "speculative.cpp").write_text('{"draft-eagle3", X},\n')
+    assert eagle3_missing(tmp_path) is None
+    (src / "common" / "speculative.cpp").write_text("")
+    monkeypatch.setenv("DRAFTSMITH_LLAMACPP", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "missing", lambda: None)  # built otherwise (sentencepiece is not this test's)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    from draftsmith.sampling.feature import KIND
+
+    (draft / "config.json").write_text(f'{{"architectures": ["LlamaForCausalLMEagle3"], "draftsmith_kind": "{KIND}"}}')
+    with pytest.raises(DraftsmithError, match="cannot serve a feature .EAGLE-3. draft"):
+        LlamaCppEngine(Bundle(tmp_path, {"recommended_k": 2}, tmp_path / "target", draft))

@@ -209,6 +209,49 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, dem
     assert ignored_acceptance < ours["engine_acceptance"] - 0.3  # the planted fault is seen
 
 
+@installed("llamacpp", llamacpp_missing())
+def test_bench_serve_reads_tau_from_llamacpps_draft_totals_at_batch_1_and_2(demo_bundle):
+    """`draftsmith bench serve --engine llamacpp`, greedy: tau from the server's per-request draft totals (draft_n,
+    draft_n_accepted), within 1..K+1; at batch 2 the requests go to two server slots at once, each drafting; and the
+    greedy speculative tokens equal the plain ones at batch 1."""
+    from draftsmith.deploy.bench import serve
+    from draftsmith.engines.llamacpp import LlamaCppEngine
+    from draftsmith.sampling.load import load_tokenizer
+
+    bundle = open_bundle(demo_bundle)
+    engine = LlamaCppEngine(bundle)
+    sets = {"math": serve.encode(load_tokenizer(str(bundle.target_dir)), serve.load_set("math", 2), raw=False)}
+    serve.set_k(engine, 2)
+    rows = serve.measure(engine, "llamacpp", sets, [0.0], 1.0, 16, k=2, seed=0, batches=(1, 2))
+    print(rows)
+    assert [(r["batch"], r["prompts"]) for r in rows] == [(1, 2), (2, 2)]
+    for r in rows:
+        assert r["alpha"] is not None and 1 <= r["tokens_per_call"] <= 3 and r["tok_s_speculative"] > 0
+        assert r["acceptance_by_position"] is None and r["note"] is None
+    assert rows[0]["new_tokens_plain"] == rows[0]["new_tokens_speculative"] > 0
+
+
+@installed("llamacpp", llamacpp_missing())
+def test_llamacpp_serves_a_feature_bundle_as_eagle3_on_the_layers_it_names(feature_bundle):
+    """llama.cpp's own converter turns the feature draft (d2t kept) into an EAGLE3 GGUF, served with
+    --spec-type draft-eagle3: greedy stays lossless, and its drafts are accepted about as often as in our sampler
+    on prompts that repeat, which the head (built to depend on layer 0's features) gets right only where the engine
+    reads the layers the draft names and maps the pruned head's ids through d2t."""
+    from draftsmith.engines.draftsmith import DraftsmithEngine
+    from draftsmith.engines.llamacpp import LlamaCppEngine
+
+    bundle = open_bundle(feature_bundle)
+    engine = LlamaCppEngine(bundle)
+    assert engine.eagle3
+    kw = dict(texts=REPEATS, max_new_tokens=32)
+    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
+    theirs = check(bundle, engine, [Setting(0.0)], **kw)["settings"]["greedy"]
+    print("acceptance: ours", ours["engine_counts"], "llama.cpp", theirs["engine_counts"], theirs["detail"])
+    assert theirs["verdict"] == "pass", theirs["detail"]
+    assert theirs["engine_counts"]["drafted"] > 0
+    assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.15
+
+
 SPECULATORS_CHECK = """
 import json, sys
 from speculators import SpeculatorModelConfig

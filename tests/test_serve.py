@@ -192,3 +192,77 @@ def test_the_card_says_where_speculation_does_not_pay(tmp_path):
     (tmp_path / "vllm_speculative_config.json").write_text(json.dumps({"model": "draft", "num_speculative_tokens": 4}))
     write_engine_k(tmp_path, {"vllm": r})
     assert json.loads((tmp_path / "vllm_speculative_config.json").read_text())["num_speculative_tokens"] == 2
+
+
+class _Echo:
+    """An engine that answers every request with fixed words, the speculative run other words than the plain one,
+    and keeps every job it was given: what bench serve then builds turn 2 from is seen."""
+
+    name = "draftsmith"
+    batches = True
+
+    def __init__(self, tok):
+        self.tok, self.jobs = tok, []
+        self.said = {True: tok("PINEAPPLE SPEC ANSWER", add_special_tokens=False)["input_ids"],
+                     False: tok("MANGO PLAIN ANSWER", add_special_tokens=False)["input_ids"]}
+
+    def run(self, jobs, speculative):
+        self.jobs += [(speculative, j) for j in jobs]
+        return [Output([[self.said[speculative] + [self.tok.eos_token_id]] for _ in j.prompts], 0.5, 4, 2,
+                       {"target_passes": 3}) for j in jobs]
+
+
+def test_chat_turn_two_holds_the_engines_own_turn_one_answer(tmp_path):
+    """Turn 2 is turn 1, the engine's own (speculative) answer, then the conversation's next user message, through
+    the chat template; never the dataset's answer. Both modes run turn 2 on that same prompt."""
+    from draftsmith.deploy.bench.sets import load_set, second_turns
+    from draftsmith.sampling.load import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    convs = tmp_path / "chat.jsonl"
+    convs.write_text("\n".join(json.dumps({"messages": m}) for m in [
+        [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "DATASET BANANA"},
+         {"role": "user", "content": "And its colour?"}, {"role": "assistant", "content": "yellow"}],
+        [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]]) + "\n")
+    first = load_set(str(convs), 2)
+    follow = {"c": serve.follow_up(tok, first, second_turns(str(convs), 2), raw=False)}
+    engine = _Echo(tok)
+    rows = serve.measure(engine, "draftsmith", {"c": serve.encode(tok, first, False)}, [0.0], 1.0, 8, 2, 0,
+                         follow=follow)
+    assert [(r["set"], r["turn"], r["prompts"]) for r in rows] == [("c", 1, 2), ("c", 2, 1)]  # one has a turn 2
+    turn2 = [(spec, j) for spec, j in engine.jobs[4:]]
+    assert len(turn2) == 2 and {spec for spec, _ in turn2} == {False, True}
+    (prompt,) = turn2[0][1].prompts
+    assert turn2[1][1].prompts == [prompt]  # plain and speculative: the same turn-2 prompt
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "PINEAPPLE SPEC ANSWER"},
+         {"role": "user", "content": "And its colour?"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(prompt) == expected
+    assert "DATASET BANANA" not in tok.decode(prompt) and "MANGO" not in tok.decode(prompt)
+
+
+def test_the_chat_set_has_a_second_turn_for_every_conversation():
+    from draftsmith.deploy.bench.sets import load_set, second_turns
+
+    first, nexts = load_set("chat", 2), second_turns("chat", 2)
+    assert len(first) == len(nexts) == 2 and all(n and n["role"] == "user" and n["content"] for n in nexts)
+    assert all(c[-1]["role"] == "user" for c in first) and second_turns("math", 2) is None
+
+
+def test_serve_at_batch_sizes_in_our_sampler_and_refused_by_transformers(self_bundle, tmp_path, capsys):
+    """--batch 1 2: a row per size; our sampler serves two requests as one left-padded batch (three prompts: a
+    batch of two, then one), and with the target as its own draft tau is still K+1 per loop (9 tokens at K=2: three
+    full loops of 3, each row), padding or not."""
+    out = tmp_path / "b.json"
+    assert serve.main([str(self_bundle), "--engine", "draftsmith", "--prompts", "math", "--n-prompts", "3",
+                       "--max-new-tokens", "9", "-k", "2", "--temperatures", "0", "--raw", "--batch", "1", "2",
+                       "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["batches"] == [1, 2] and [(r["batch"], r["turn"]) for r in rep["rows"]] == [(1, 1), (2, 1)]
+    for r in rep["rows"]:
+        assert r["prompts"] == 3 and r["tokens_per_call"] == pytest.approx(3.0) and r["tok_s_speculative"] > 0
+        assert r["new_tokens_plain"] == r["new_tokens_speculative"] == 27
+    assert " batch" in capsys.readouterr().out
+    assert serve.main([str(self_bundle), "--engine", "transformers", "--prompts", "math", "--raw", "--batch",
+                       "4"]) == 2
+    assert "does not batch" in capsys.readouterr().err

@@ -163,16 +163,19 @@ def is_heldout(conversation) -> bool:
 
 
 def read_conversations(source: str, fields: Fields | None = None, *, split: str = "train",
-                       limit: int | None = None, quiet: bool = False) -> list[Conversation]:
+                       limit: int | None = None, quiet: bool = False, where=None) -> list[Conversation]:
     """The usable conversations of `source` in its order: `split="train"` without the held-out split, `"heldout"`
-    only it, `"all"` both. Skipped rows are reported one line per kind on stderr (unless `quiet`); a source with
-    nothing usable is refused in one line."""
+    only it, `"all"` both; `where(conv)`, when given, keeps only those it is true of (before `limit` counts them,
+    so that a filtered read stops as early as an unfiltered one). Skipped rows are reported one line per kind on
+    stderr (unless `quiet`); a source with nothing usable is refused in one line."""
     fields = fields or Fields()
     skipped = Skipped()
     out = []
     for i, row in enumerate(_rows(source, skipped)):
         conv = normalize(row, fields, skipped, i)
         if conv is None or (split != "all" and is_heldout(conv) != (split == "heldout")):
+            continue
+        if where is not None and not where(conv):
             continue
         out.append(conv)
         if limit is not None and len(out) >= limit:
@@ -188,10 +191,14 @@ def read_conversations(source: str, fields: Fields | None = None, *, split: str 
     return out
 
 
-def heldout_chat_set(n: int) -> list[list[dict]]:
-    """The first `n` held-out ShareGPT conversations as role/content message lists (whole conversations: a
-    benchmark's prompt is the conversation up to an assistant turn). Never trained on by any data=chat run."""
-    return [c.messages for c in read_conversations("sharegpt", split="heldout", limit=n, quiet=True)]
+def heldout_chat_set(n: int, user_turns: int = 1) -> list[list[dict]]:
+    """The first `n` held-out ShareGPT conversations with at least `user_turns` user messages, as role/content
+    message lists (whole conversations: a benchmark's prompt is the conversation up to an assistant turn). Never
+    trained on by any data=chat run."""
+    def enough(c):
+        return sum(m["role"] == "user" for m in c.messages) >= user_turns
+
+    return [c.messages for c in read_conversations("sharegpt", split="heldout", limit=n, quiet=True, where=enough)]
 
 
 def sharegpt_file() -> Path:

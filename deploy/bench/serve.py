@@ -3,12 +3,17 @@
     draftsmith bench serve BUNDLE --engine draftsmith
     draftsmith bench serve BUNDLE --engine vllm --prompts code math --n-prompts 20 --max-new-tokens 128 --json out.json
     draftsmith bench serve BUNDLE --engine transformers -k 3 --temperatures 0 --plot serve.png
+    draftsmith bench serve BUNDLE --engine llamacpp --prompts code math chat --batch 1 4
 
 Each set's conversations (`bench/sets.py`: chat, code, math, or a .jsonl file) go through the target's chat
-template, one request at a time, with speculation and without, in the same engine and run; greedy and at each
-T > 0 given. Per set: tau (`tokens_per_call`: tokens per target pass, bonus token included), acceptance at each
-draft position where the engine gives it, tokens/s with and without speculation, the speed-up, and latency per
-token (each request's wall time over its tokens: P50 and P90 over requests). Where each figure comes from:
+template, one request at a time (or `--batch B` at once, where the engine batches: draftsmith, vllm, llamacpp;
+transformers' assisted generation does not), with speculation and without, in the same engine and run; greedy and
+at each T > 0 given. The chat set is measured over two turns, a row each (`turn` 1 and 2): turn 2 is the
+conversation with the engine's own speculative turn-1 answer in it, then the held-out conversation's next user
+message, run plain and speculative alike. Per set, turn and batch size: tau (`tokens_per_call`: tokens per target
+pass, bonus token included), acceptance at each draft position where the engine gives it, tokens/s with and
+without speculation, the speed-up, and latency per token (each request's wall time, or its batch's, over its
+tokens: P50 and P90 over requests). Where each figure comes from:
 
 - draftsmith: our sampler's own counts (passes per row, acceptance at each position);
 - transformers: none of its own; we count the target's forward passes (tau), no per-position figure;
@@ -25,7 +30,7 @@ import datetime
 import sys
 from pathlib import Path
 
-from draftsmith.deploy.bench.sets import SETS, load_set
+from draftsmith.deploy.bench.sets import SETS, load_set, second_turns, turn_two
 from draftsmith.deploy.bundle import open_bundle
 from draftsmith.engines.base import Job
 from draftsmith.sampling.cli import examples
@@ -54,15 +59,28 @@ def caveat(engine: str, build: str | None, temperature: float) -> str | None:
 
 
 def encode(tok, conversations: list[list[dict]], raw: bool) -> list[list[int]]:
-    """Token ids of each conversation: the chat template with the assistant's turn opened, or (raw) the user
-    message's text as a plain opening."""
+    """Token ids of each conversation: the chat template with the assistant's turn opened, or (raw) its user and
+    assistant messages' texts as a plain opening (the user message alone for a first turn)."""
     if raw:
-        return [tok(c[-1]["content"])["input_ids"] for c in conversations]
+        return [tok("\n\n".join(m["content"] for m in c if m["role"] != "system"))["input_ids"] for c in conversations]
     if not getattr(tok, "chat_template", None):
         raise DraftsmithError("the target's tokenizer has no chat template: pass --raw to run the prompts as plain "
                               "text")
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def follow_up(tok, firsts: list[list[dict]], nexts: list[dict | None], raw: bool):
+    """turn2(i, answer_ids): conversation i's turn-2 prompt with the engine's own turn-1 answer in it (its text,
+    special tokens dropped: the template closes the turn itself), or None where the conversation has no second user
+    turn."""
+    def turn2(i: int, answer: list[int]) -> list[int] | None:
+        if nexts[i] is None:
+            return None
+        text = tok.decode(answer, skip_special_tokens=True).strip()
+        return encode(tok, [turn_two(firsts[i], text, nexts[i])], raw)[0]
+
+    return turn2
 
 
 def tau_of(engine: str, out, k: int) -> tuple[float | None, list[float] | None]:
@@ -86,34 +104,63 @@ def tau_of(engine: str, out, k: int) -> tuple[float | None, list[float] | None]:
 
 
 def measure(engine, name: str, sets: dict[str, list[list[int]]], temperatures, top_p: float, max_new_tokens: int,
-            k: int, seed: int) -> list[dict]:
-    """One row per (set, T): every request run plain and speculative in `engine` (one request a job, so each has
-    its own time)."""
-    keys = [(s, t, i) for s in sets for t in temperatures for i in range(len(sets[s]))]
-    jobs = [Job([sets[s][i]], 1, max_new_tokens, t, top_p if t > 0 else 1.0, seed + i) for s, t, i in keys]
-    plain = engine.run(jobs, speculative=False)
-    spec = engine.run(jobs, speculative=True)
+            k: int, seed: int, batches=(1,), follow: dict | None = None) -> list[dict]:
+    """One row per (set, T, batch size, turn): every request run plain and speculative in `engine`. At batch 1 each
+    request is a job of its own (so each has its own time); at batch b, b requests are one job served at once
+    (`Job.batched`), and each request's latency is its job's wall time over its tokens. `follow[set]` (`follow_up`)
+    makes the set's turn-2 prompts from the engine's own speculative turn-1 answers, at the same T and batch size;
+    turn 2 is then run plain and speculative on those same prompts (so their tokens/s compare)."""
     build = engine.build() if hasattr(engine, "build") else None
+    first = {(s, t, b): list(enumerate(sets[s])) for s in sets for t in temperatures for b in batches}
+    keys, plain, spec = _run(engine, first, top_p, max_new_tokens, seed)
+    rows = _rows(name, build, keys, plain, spec, top_p, k, turn=1)
+    second: dict = {}
+    for (s, t, b, idx), out in zip(keys, spec):
+        if follow and s in follow:
+            for pos, i in enumerate(idx):
+                ids = follow[s](i, out.tokens[pos][0])
+                if ids is not None:
+                    second.setdefault((s, t, b), []).append((i, ids))
+    if second:
+        keys, plain, spec = _run(engine, second, top_p, max_new_tokens, seed)
+        rows += _rows(name, build, keys, plain, spec, top_p, k, turn=2)
+    return rows
+
+
+def _run(engine, requests: dict, top_p: float, max_new_tokens: int, seed: int):
+    """requests: (set, T, b) -> [(index, prompt ids)]. Returns each job's (set, T, b, indices) and its plain and
+    speculative Outputs (one engine run each: an engine server starts once per mode)."""
+    keys, jobs = [], []
+    for (s, t, b), reqs in requests.items():
+        for c in range(0, len(reqs), b):
+            chunk = reqs[c: c + b]
+            keys.append((s, t, b, [i for i, _ in chunk]))
+            jobs.append(Job([ids for _, ids in chunk], 1, max_new_tokens, t, top_p if t > 0 else 1.0,
+                            seed + chunk[0][0], batched=b > 1))
+    return keys, engine.run(jobs, speculative=False), engine.run(jobs, speculative=True)
+
+
+def _rows(name: str, build, keys, plain, spec, top_p: float, k: int, turn: int) -> list[dict]:
     rows = []
-    for s in sets:
-        for t in temperatures:
-            idx = [j for j, key in enumerate(keys) if key[:2] == (s, t)]
-            p_tok, s_tok = sum(plain[j].new_tokens for j in idx), sum(spec[j].new_tokens for j in idx)
-            p_sec, s_sec = sum(plain[j].seconds for j in idx), sum(spec[j].seconds for j in idx)
-            merged = _merge([spec[j] for j in idx])
-            tau, pos = tau_of(name, merged, k)
-            lat_plain = [1e3 * plain[j].seconds / plain[j].new_tokens for j in idx if plain[j].new_tokens]
-            lat_spec = [1e3 * spec[j].seconds / spec[j].new_tokens for j in idx if spec[j].new_tokens]
-            tps_p = p_tok / p_sec if p_sec else 0.0
-            tps_s = s_tok / s_sec if s_sec else 0.0
-            rows.append({"set": s, "temperature": t, "top_p": top_p if t > 0 else 1.0, "prompts": len(idx),
-                         "tokens_per_call": tau, "acceptance_by_position": pos,
-                         "alpha": merged.accepted / merged.drafted if merged.drafted else None,
-                         "tok_s_plain": tps_p, "tok_s_speculative": tps_s,
-                         "speedup": tps_s / tps_p if tps_p else None,
-                         "ms_per_token_plain": summary(lat_plain), "ms_per_token_speculative": summary(lat_spec),
-                         "new_tokens_plain": p_tok, "new_tokens_speculative": s_tok,
-                         "note": caveat(name, build, t)})
+    for s, t, b in dict.fromkeys(key[:3] for key in keys):
+        idx = [j for j, key in enumerate(keys) if key[:3] == (s, t, b)]
+        p_tok, s_tok = sum(plain[j].new_tokens for j in idx), sum(spec[j].new_tokens for j in idx)
+        p_sec, s_sec = sum(plain[j].seconds for j in idx), sum(spec[j].seconds for j in idx)
+        merged = _merge([spec[j] for j in idx])
+        tau, pos = tau_of(name, merged, k)
+        lat_plain = [1e3 * plain[j].seconds / len(r[0]) for j in idx for r in plain[j].tokens if r[0]]
+        lat_spec = [1e3 * spec[j].seconds / len(r[0]) for j in idx for r in spec[j].tokens if r[0]]
+        tps_p = p_tok / p_sec if p_sec else 0.0
+        tps_s = s_tok / s_sec if s_sec else 0.0
+        rows.append({"set": s, "turn": turn, "batch": b, "temperature": t, "top_p": top_p if t > 0 else 1.0,
+                     "prompts": sum(len(keys[j][3]) for j in idx),
+                     "tokens_per_call": tau, "acceptance_by_position": pos,
+                     "alpha": merged.accepted / merged.drafted if merged.drafted else None,
+                     "tok_s_plain": tps_p, "tok_s_speculative": tps_s,
+                     "speedup": tps_s / tps_p if tps_p else None,
+                     "ms_per_token_plain": summary(lat_plain), "ms_per_token_speculative": summary(lat_spec),
+                     "new_tokens_plain": p_tok, "new_tokens_speculative": s_tok,
+                     "note": caveat(name, build, t)})
     return rows
 
 
@@ -141,7 +188,8 @@ def print_table(report: dict) -> None:
     print(f"{report['engine']} {report['version']}, K={report['k']}, template: {report['template']}, "
           f"{report['machine'].get('cpu', '')}")
     print(f"  {TAU} from: {SOURCE[report['engine']]}")
-    print(f"  {'set':<8}{'T':>5}{'prompts':>9}{'tau':>7}{'accept. by position':>26}{'tok/s plain':>13}"
+    print(f"  {'set':<8}{'turn':>5}{'batch':>6}{'T':>5}{'prompts':>9}{'tau':>7}{'accept. by position':>26}"
+          f"{'tok/s plain':>13}"
           f"{'tok/s spec':>12}{'speed-up':>10}{'ms/tok P50':>12}{'P90':>7}")
     for r in report["rows"]:
         tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
@@ -149,7 +197,8 @@ def print_table(report: dict) -> None:
             "-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
         lat = r["ms_per_token_speculative"] or {"p50": float("nan"), "p90": float("nan")}
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        print(f"  {r['set']:<8}{r['temperature']:>5g}{r['prompts']:>9}{tau:>7}{pos:>26}{r['tok_s_plain']:>13.1f}"
+        print(f"  {r['set']:<8}{r['turn']:>5}{r['batch']:>6}{r['temperature']:>5g}{r['prompts']:>9}{tau:>7}{pos:>26}"
+              f"{r['tok_s_plain']:>13.1f}"
               f"{r['tok_s_speculative']:>12.1f}{sp:>10}{lat['p50']:>12.1f}{lat['p90']:>7.1f}")
         if r["note"]:
             print(f"  {'':<8}^ {r['note']}")
@@ -161,7 +210,8 @@ def plot(report: dict, path: Path) -> None:
 
     plt = _pyplot()
     rows = report["rows"]
-    labels = [f"{r['set']}\nT={r['temperature']:g}" for r in rows]
+    labels = [f"{r['set']}" + (f" t{r['turn']}" if r["turn"] > 1 else "") + (f" b{r['batch']}" if r["batch"] > 1
+              else "") + f"\nT={r['temperature']:g}" for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(6, 1.4 * len(rows) + 3), 3.8))
     left.bar(labels, [r["tokens_per_call"] or 0 for r in rows], color="tab:blue")
     left.set_ylabel(f"{TAU}, tokens per target pass")
@@ -192,6 +242,9 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=None,
                     help="0 is greedy (default: 0 and the bundle's temperature)")
     ap.add_argument("--top-p", type=float, default=None, help="at T > 0 (default: the bundle's)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
+                    help="requests served at once, a row per size given: e.g. --batch 1 4 (default: 1; transformers' "
+                    "assisted generation does not batch: 1 only)")
     ap.add_argument("--raw", action="store_true", help="no chat template: the user message as a plain opening")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the rows, engine version, flags, K, T, top-p and template here")
@@ -205,11 +258,20 @@ def main(argv=None, prog=None) -> int:
         k = args.k or int(bundle.spec["recommended_k"])
         if k < 1 or any(t < 0 for t in temps) or not 0 < top_p <= 1:
             raise DraftsmithError(f"need K >= 1, T >= 0 and 0 < top-p <= 1; got K={k}, T={temps}, top-p={top_p}")
+        batches = list(dict.fromkeys(args.batch))
+        if min(batches) < 1:
+            raise DraftsmithError(f"--batch must be at least 1, got {min(batches)}")
+        if max(batches) > 1 and not engine_class(args.engine).batches:
+            raise DraftsmithError(f"{args.engine} serves one request at a time (transformers' assisted generation "
+                                  "does not batch): run it with --batch 1")
         tok = load_tokenizer(str(bundle.target_dir))
-        sets = {name: encode(tok, load_set(name, args.n_prompts), args.raw) for name in args.prompts}
+        convs = {name: load_set(name, args.n_prompts) for name in args.prompts}
+        sets = {name: encode(tok, c, args.raw) for name, c in convs.items()}
+        nexts = {name: second_turns(name, args.n_prompts) for name in args.prompts}
+        follow = {name: follow_up(tok, convs[name], n, args.raw) for name, n in nexts.items() if n}
         engine = open_engine(args.engine, bundle)
         set_k(engine, k)
-        rows = measure(engine, args.engine, sets, temps, top_p, args.max_new_tokens, k, args.seed)
+        rows = measure(engine, args.engine, sets, temps, top_p, args.max_new_tokens, k, args.seed, batches, follow)
     except ValueError as e:  # a DraftsmithError (a bad bundle, a missing engine), or bad input
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -218,6 +280,7 @@ def main(argv=None, prog=None) -> int:
               "flags": list(argv if argv is not None else sys.argv[1:]), "k": k, "temperatures": temps,
               "top_p": top_p, "template": "none (raw text)" if args.raw else "the target's chat template",
               "max_new_tokens": args.max_new_tokens, "n_prompts": args.n_prompts, "seed": args.seed,
+              "batches": batches,
               "tau_source": SOURCE[args.engine], "bundle": str(args.bundle), "machine": machine(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "rows": rows}
@@ -229,6 +292,13 @@ def main(argv=None, prog=None) -> int:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def engine_class(name: str):
+    """The engine's class, not opened (its `batches` is read before any model loads)."""
+    from draftsmith.engines import ENGINES, module
+
+    return getattr(module(name), ENGINES[name][1])
 
 
 def set_k(engine, k: int) -> None:

@@ -29,10 +29,11 @@ def main(request_path: str, result_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     req = json.loads(open(request_path).read())
-    # eager mode and a 512-token window: the CPU build's compile step and default KV space cost minutes and GBs
+    # eager mode and a small window (512 tokens, or the longest prompt and its answer): the CPU build's compile step
+    # and default KV space cost minutes and GBs
     t0 = time.perf_counter()
     llm = LLM(model=req["target"], speculative_config=req["speculative_config"], dtype=req["dtype"],
-              max_model_len=512, enforce_eager=True, seed=0, disable_log_stats=False)
+              max_model_len=req.get("max_model_len", 512), enforce_eager=True, seed=0, disable_log_stats=False)
     print(f"draftsmith: engine started in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     results = []
     for i, job in enumerate(req["jobs"]):
