@@ -128,9 +128,9 @@ def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
 
 
 def batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_size: int, *, seed: int,
-                 first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
-                 keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, timeout_s: float = 1800):
+            first_row: int, max_new_tokens: int, temperature: float, top_p: float, eos: int,
+            keep_logits: int = 0, check=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+            gpu_memory_utilization: float = 0.5, timeout_s: float = 1800):
     """vLLM's offline generation of `rows` in its own venv: `data_parallel_size` workers (each on its own
     `tensor_parallel_size` GPUs, taking `gpu_memory_utilization` of each: the rest is for the target, which loads
     after vLLM's start) take the batches in turn, and each batch comes back as a file in the kept-logits layout,
@@ -138,58 +138,121 @@ def batches(target_name: str, dtype: torch.dtype, rows: list[list[int]], batch_s
     before any batch is used. Closing the generator (a time box, an error, Ctrl-C) stops the workers and every
     process vLLM started (`process_tree`): the batches in flight are lost, no more. A row's seed is its index, so
     the corpus does not depend on how many workers drew it."""
-    python = ready(target_name)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise DraftsmithError(f"data.generated.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    starts = list(range(0, len(rows), batch_size))
-    workers = max(1, min(data_parallel_size, len(starts)))
-    gpus = _gpu_groups(workers, tensor_parallel_size)
-    common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed, "max_new_tokens": max_new_tokens,
-              "temperature": temperature, "top_p": top_p, "eos": [eos], "keep_logits": keep_logits,
-              "max_model_len": max(len(r) for r in rows) + max_new_tokens + 8,
-              "tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization,
-              "enforce_eager": not torch.cuda.is_available()}
-    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
-        procs, logs, dirs = [], [], []
+    with Session(target_name, dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_p=top_p, eos=eos, keep_logits=keep_logits, check=check,
+                 max_model_len=max(len(r) for r in rows) + max_new_tokens + 8,
+                 tensor_parallel_size=tensor_parallel_size,
+                 workers=max(1, min(data_parallel_size, -(-len(rows) // batch_size))),
+                 gpu_memory_utilization=gpu_memory_utilization, timeout_s=timeout_s) as session:
+        yield from session.batches(rows, batch_size, seed=seed, first_row=first_row, last=True)
+
+
+class Session:
+    """vLLM started once in its own venv (`workers` engines, `CORPUS_WORKER` each), its sampling judged by `check`
+    before anything is handed out, then given jobs as the caller has them: all of a corpus' batches at once, or a
+    conversation turn's only after the last turn's answers came back (`batches`). Leaving the `with` (the work done,
+    an error, Ctrl-C, a closed generator) stops every process vLLM started (`process_tree`). `max_model_len`: the
+    longest prompt plus its new tokens that any job will hold (vLLM sizes its cache by it)."""
+
+    def __init__(self, target_name: str, dtype: torch.dtype, *, seed: int, max_new_tokens: int, temperature: float,
+                 top_p: float, eos: int, max_model_len: int, keep_logits: int = 0, check=None,
+                 tensor_parallel_size: int = 1, workers: int = 1, gpu_memory_utilization: float = 0.5,
+                 timeout_s: float = 1800):
+        self.python = ready(target_name)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise DraftsmithError(f"data.generated.gpu_memory_utilization must be in (0, 1], got "
+                                  f"{gpu_memory_utilization}")
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        self.workers, self.check, self.timeout_s, self.keep_logits = workers, check, timeout_s, keep_logits
+        self.gpus = _gpu_groups(workers, tensor_parallel_size)
+        self.common = {"target": str(resolve(target_name)), "dtype": name, "seed": seed,
+                       "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "eos": [eos],
+                       "keep_logits": keep_logits, "max_model_len": max_model_len,
+                       "tensor_parallel_size": tensor_parallel_size,
+                       "gpu_memory_utilization": gpu_memory_utilization,
+                       "enforce_eager": not torch.cuda.is_available()}
+        self.procs, self.logs, self.dirs, self.jobs = [], [], [], []  # jobs: each worker's count so far
+        self.version = None
+
+    def __enter__(self) -> "Session":
+        self._tmp = tempfile.TemporaryDirectory(prefix="draftsmith-vllm-")
         try:
-            for w in range(workers):
-                out = Path(tmp) / str(w)
+            for w in range(self.workers):
+                out = Path(self._tmp.name) / str(w)
                 out.mkdir()
-                batches = [{"first_row": first_row + s, "rows": [{"prompt": r, "seed": seed + first_row + s + i}
-                                                                  for i, r in enumerate(rows[s: s + batch_size])]}
-                              for j, s in enumerate(starts) if j % workers == w]
-                request = {**common, "batches": batches, "check": check.request if check and w == 0 else None}
+                request = {**self.common, "check": self.check.request if self.check and w == 0 else None}
                 (out / "request.json").write_text(json.dumps(request))
                 env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
                 env.pop("PYTHONPATH", None)
-                if gpus is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[w])
-                logs.append((out / "worker.log").open("w"))
-                procs.append(process_tree.start([str(python), str(CORPUS_WORKER), str(out / "request.json"), str(out)],
-                                                env=env, stdout=logs[-1], stderr=logs[-1]))
-                dirs.append(out)
-            for w in range(workers):
-                info = json.loads(_wait(dirs[w] / "started.json", procs[w], dirs[w], timeout_s).read_text())
+                if self.gpus is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[w])
+                self.logs.append((out / "worker.log").open("w"))
+                self.procs.append(process_tree.start(
+                    [str(self.python), str(CORPUS_WORKER), str(out / "request.json"), str(out)], env=env,
+                    stdout=self.logs[-1], stderr=self.logs[-1]))
+                self.dirs.append(out)
+                self.jobs.append(0)
+            for w in range(self.workers):
+                info = json.loads(self._wait(w, "started.json").read_text())
                 print(f"draftsmith: vLLM {info['version']} started in {info['start_s']:.0f} s"
-                      + (f" (worker {w + 1} of {workers})" if workers > 1 else ""), file=sys.stderr)
-            if check is not None:
-                check(json.loads(_wait(dirs[0] / "check.json", procs[0], dirs[0], timeout_s).read_text()),
-                      info["version"])
-            for j, start in enumerate(starts):
-                w = j % workers
-                path = _wait(dirs[w] / f"{first_row + start:09d}.safetensors", procs[w], dirs[w], timeout_s)
-                with safe_open(str(path), "pt") as fh:
-                    seconds = float(fh.metadata()["seconds"])
-                record = load_file(str(path))
-                path.unlink()
-                tokens = [t.tolist() for t in record["tokens"].split(record["steps"].tolist())]
-                yield start, rows[start: start + batch_size], tokens, record if keep_logits else None, seconds
-        finally:
-            for proc in procs:
-                process_tree.stop(proc)
-            for log in logs:
-                log.close()
+                      + (f" (worker {w + 1} of {self.workers})" if self.workers > 1 else ""), file=sys.stderr)
+                self.version = info["version"]
+            if self.check is not None:
+                self.check(json.loads(self._wait(0, "check.json").read_text()), self.version)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *_) -> None:
+        for proc in self.procs:
+            process_tree.stop(proc)
+        for log in self.logs:
+            log.close()
+        self.procs, self.logs = [], []
+        self._tmp.cleanup()
+
+    def _wait(self, w: int, name: str) -> Path:
+        return _wait(self.dirs[w] / name, self.procs[w], self.dirs[w], self.timeout_s)
+
+    def submit(self, rows: list[dict], worker: int = 0) -> tuple[int, int]:
+        """Hand worker `worker` a job (rows of {"prompt": ids, "seed": s}); returns its handle for `result`."""
+        n = self.jobs[worker]
+        path = self.dirs[worker] / f"job-{n:06d}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rows": rows}))
+        tmp.replace(path)  # whole or absent: the worker polls for the name
+        self.jobs[worker] += 1
+        return worker, n
+
+    def result(self, job: tuple[int, int]) -> tuple[list[list[int]], dict, float]:
+        """A job's sampled tokens per row, its record in the kept-logits layout, and vLLM's seconds on it."""
+        w, n = job
+        path = self._wait(w, f"job-{n:06d}.safetensors")
+        with safe_open(str(path), "pt") as fh:
+            seconds = float(fh.metadata()["seconds"])
+        record = load_file(str(path))
+        path.unlink()
+        return [t.tolist() for t in record["tokens"].split(record["steps"].tolist())], record, seconds
+
+    def stop(self) -> None:
+        """No more jobs: each worker ends after those it has (its processes end with the `with` in any case)."""
+        for d in self.dirs:
+            (d / "stop").touch()
+
+    def batches(self, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, last: bool = False):
+        """`rows` in batches of `batch_size`, the workers taking them in turn, yielded in order as the engine
+        interface has them (train/generation.py): (start, prompt ids, tokens per row, record or None, seconds). A
+        row's seed is `seed` + `first_row` + its index. `last`: these are the session's last jobs."""
+        starts = list(range(0, len(rows), batch_size))
+        jobs = [self.submit([{"prompt": r, "seed": seed + first_row + s + i}
+                             for i, r in enumerate(rows[s: s + batch_size])], worker=j % self.workers)
+                for j, s in enumerate(starts)]
+        if last:
+            self.stop()
+        for start, job in zip(starts, jobs):
+            tokens, record, seconds = self.result(job)
+            yield start, rows[start: start + batch_size], tokens, record if self.keep_logits else None, seconds
 
 
 def _gpu_groups(workers: int, tp: int) -> list[list[str]] | None:

@@ -272,6 +272,46 @@ def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
     assert regenerate(target, tok, _convs(), part, **kw).read_text() == whole
 
 
+def test_the_turn_loop_asks_the_engine_for_each_turn_with_its_last_answers(tmp_path, llama3_tok, monkeypatch,
+                                                                            capsys):
+    """One turn loop for both engines: `regenerate` hands each turn's rows (our tokenizer and template, the engine's
+    own earlier answers in them) to the engine's row sampler, here a stub standing in for vLLM, and writes what it
+    answered; the rate line names the engine."""
+    from contextlib import contextmanager
+
+    from draftsmith.train import generation
+    from draftsmith.train.chat import template_text
+    from draftsmith.train.chatcorpus import regenerate
+
+    tok, asked, opened = llama3_tok, [], []
+
+    @contextmanager
+    def stub(engine, target, *, batch_size, seed, **kw):
+        opened.append((engine, kw.get("target_name"), kw.get("max_model_len")))
+
+        def sample(rows, seed, first_row):
+            asked.append([tok.decode(r) for r in rows])
+            answers = [tok(f" answer {len(asked)}.{i}", add_special_tokens=False)["input_ids"]
+                       for i in range(len(rows))]
+            yield 0, rows, answers, None, 0.0
+        yield sample
+
+    monkeypatch.setattr(generation, "row_sampler", stub)
+    path = regenerate(None, tok, _convs()[:2], tmp_path / "v.jsonl", max_new_tokens=5, batch_size=2, progress=False,
+                      max_prompt_tokens=200, engine="vllm", target_name="smollm2-135m")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert opened == [("vllm", "smollm2-135m", 200 + 5 + 8)]
+    assert len(asked) == 2 and [len(a) for a in asked] == [2, 2]  # turn 1 of both, then turn 2 of both
+    for i, row in enumerate(rows):
+        m = row["messages"]
+        assert row["regenerated"] == 2 and m[1]["content"] == f" answer 1.{i}" and m[3]["content"] == f" answer 2.{i}"
+        assert asked[1][i] == template_text(tok, m[:3], True)  # turn 2's prompt holds the engine's turn-1 answer
+    assert "tokens/s, vLLM)" in capsys.readouterr().err
+    asked.clear()
+    assert regenerate(None, tok, _convs()[:2], path, engine="vllm", progress=False).read_text() == path.read_text()
+    assert asked == [] and len(opened) == 1  # a finished file starts no engine
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -361,6 +361,65 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     assert (tmp_path / "w.jsonl").read_text() == ""  # nothing kept from an engine that failed its check
 
 
+@installed("vllm", vllm_missing())
+def test_vllm_regenerates_chat_turn_by_turn_after_its_check(demo_target, tmp_path, monkeypatch):
+    """data=chat data.generated.engine=vllm: vLLM is judged (the same chi-square as the generated corpus) before any
+    conversation is kept, then answers turn 1 of a batch of conversations, and turn 2's prompts, rendered by our
+    tokenizer and template, hold vLLM's own turn-1 answers; a run killed after the first batch (a torn row after it)
+    resumes to the file an uninterrupted run wrote."""
+    from draftsmith.engines import vllm
+    from draftsmith.sampling.probs import SamplingConfig
+    from draftsmith.train.chat import template_text
+    from draftsmith.train.chatcorpus import regenerate
+    from draftsmith.train.conversations import Fields, read_conversations
+    from draftsmith.train.generation import EngineCheck
+
+    target, tok = demo_target
+    monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "engine_checks.json"))
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "messages": [
+        {"role": "user", "content": f"Name a fruit that starts with the letter {c}."},
+        {"role": "assistant", "content": "(old answer)"},
+        {"role": "user", "content": "Why that one?"},
+        {"role": "assistant", "content": "(old again)"}]}) + "\n" for i, c in enumerate("ABCD")))
+    convs = read_conversations(str(src), Fields(), split="all", quiet=True)
+    sent, got = [], []  # each job's prompts as vLLM received them, and what it answered
+    submit, result = vllm.Session.submit, vllm.Session.result
+    monkeypatch.setattr(vllm.Session, "submit", lambda self, rows, worker=0: (
+        sent.append([r["prompt"] for r in rows]), submit(self, rows, worker))[1])
+    monkeypatch.setattr(vllm.Session, "result", lambda self, job: (
+        lambda out: (got.append(out[0]), out)[1])(result(self, job)))
+    check = EngineCheck("vllm", lambda: target, tok, SamplingConfig(0.8, 0, 0.95), "smollm2-135m", target.dtype,
+                        draws=1000)
+    kw = dict(max_new_tokens=12, temperature=0.8, top_p=0.95, batch_size=2, seed=5, max_prompt_tokens=255,
+              progress=False, engine="vllm", target_name="smollm2-135m", dtype=target.dtype)
+    path = regenerate(None, tok, convs, tmp_path / "r.jsonl", check=check, **kw)
+    verdict = json.loads((tmp_path / "engine_checks.json").read_text())
+    print("check:", verdict)
+    assert [v["pass"] for v in verdict.values()] == [True]  # judged, and passed, before anything was kept
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    print(rows)
+    assert [r["id"] for r in rows] == ["0", "1", "2", "3"] and all(r["regenerated"] == 2 for r in rows)
+    assert [len(s) for s in sent] == [2, 2, 2, 2]  # per batch of two conversations: turn 1, then turn 2
+    for b in range(2):
+        for i in range(2):
+            m = rows[2 * b + i]["messages"]
+            first, second = got[2 * b][i], got[2 * b + 1][i]
+            assert m[1]["content"] == tok.decode(first, skip_special_tokens=True) != "(old answer)"
+            assert m[3]["content"] == tok.decode(second, skip_special_tokens=True) != "(old again)"
+            assert sent[2 * b][i] == tok(template_text(tok, m[:1], True), add_special_tokens=False)["input_ids"]
+            # turn 2's prompt: our template over the conversation with vLLM's own turn-1 answer in it
+            assert sent[2 * b + 1][i] == tok(template_text(tok, m[:3], True), add_special_tokens=False)["input_ids"]
+            assert m[1]["content"].strip() in tok.decode(sent[2 * b + 1][i])
+
+    whole = path.read_text()
+    lines = whole.splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + lines[2][:15])  # killed after the first batch, mid-way through a row
+    sent.clear()
+    assert regenerate(None, tok, convs, path, **kw).read_text() == whole  # no check: the verdict is cached
+    assert [len(s) for s in sent] == [2, 2]  # only the second batch was asked for again
+
+
 # the trainer's corpus step (`_generated_corpus`) as `python train/draft.py ... data=generated
 # data.generated.engine=vllm` runs it, at the default precision (target.dtype=auto: bf16 on a CPU with native bf16),
 # in a process of its own; argv: the recipes, how the run ends

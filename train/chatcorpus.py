@@ -4,11 +4,12 @@
   needs, its next-lowest hashes join it) is never trained on or regenerated: its first user turns are the
   validation prompts, `val/alpha_on_target` among them (the target's own answers, its tokens only scored).
 - `data.regenerate=true`: the target answers again, turn by turn, through its chat template, with its own earlier
-  answers as context (`regenerate`), by our sampler's plain loop (`train/generation.py` own_batches, the loop the
-  generated corpus is checked with); at most `data.max_turns` assistant turns a conversation (what follows the last
-  regenerated one is dropped: its context would no longer be what the target said), each at most
-  `data.turn_max_new_tokens`. Written one conversation a line, resumable at conversation granularity, time-boxed
-  by data.generated.max_minutes, a full disk said in one line with nothing written lost.
+  answers as context (`regenerate`), by the generated corpus' engine (data.generated.engine: our sampler's plain loop,
+  or vLLM judged by the same chi-square before anything is kept; `train/generation.py` row_sampler), every prompt
+  rendered here by our tokenizer and template and handed over as token ids; at most `data.max_turns` assistant turns a
+  conversation (what follows the last regenerated one is dropped: its context would no longer be what the target
+  said), each at most `data.turn_max_new_tokens`. Written one conversation a line, resumable at conversation
+  granularity, time-boxed by data.generated.max_minutes, a full disk said in one line with nothing written lost.
 - `data.regenerate=false`: the conversations as they are (already the target's own answers, or the data to
   imitate).
 - `loss.teacher_topk=K` (`keep_teacher`): after that, one teacher pass keeps the target's top-K logits at every
@@ -67,9 +68,10 @@ def _hash(c: Conversation) -> bytes:
     return hashlib.sha256(" ".join(first.split()).encode()).digest()
 
 
-def chat_path(cfg, tok, home: Path) -> Path:
+def chat_path(cfg, tok, home: Path, engine: str = "draftsmith") -> Path:
     """Where the regenerated conversations of these settings are kept under the corpus folder `home` (their
-    fingerprint)."""
+    fingerprint); vLLM's (`engine`) in a file of their own, as the generated corpus keeps them: its answers never
+    continue a file our loop began, nor the other way round."""
     d, s = cfg.data, cfg.sampler
     h = hashlib.sha256()
     for f in source_files(d.source):
@@ -78,24 +80,30 @@ def chat_path(cfg, tok, home: Path) -> Path:
     h.update(json.dumps([d.source, dict(d.get("fields") or {}), d.enable_thinking, d.max_turns, d.turn_max_new_tokens,
                          d.block_size, d.max_documents, s.temperature, s.top_p, cfg.seed, cfg.target.name,
                          tok.chat_template]).encode())
-    return Path(home) / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}.jsonl"
+    suffix = "-vllm" if engine == "vllm" else ""
+    return Path(home) / "chat" / f"{cfg.target.name.replace('/', '_')}-{h.hexdigest()[:16]}{suffix}.jsonl"
 
 
-def prepare(cfg, tok, teacher, home: Path, progress: bool = True) -> dict:
+def prepare(cfg, tok, teacher, home: Path, progress: bool = True, engine=None) -> dict:
     """The corpus record (as train/data.py `prepared_once` keeps it): the regenerated file under the corpus folder
-    `home`, or the source as is."""
+    `home`, or the source as is. `engine(rows)`: the engine that regenerates (data.generated.engine, `auto` measured
+    on `rows`, the first conversations' first prompts) as `regenerate`'s keyword arguments (train/draft.py
+    `_corpus_engine`); None: our loop. `teacher()` loads the target: vLLM needs it only for its check."""
     d = cfg.data
     if not d.regenerate:
         record = {"source": d.source, "documents": d.max_documents, "rows": None, "format": "chat",
                   "enable_thinking": d.enable_thinking}
         return keep_teacher(cfg, tok, teacher, home, record, progress)
     train, _ = split(cfg)
-    path = chat_path(cfg, tok, home)
     g = cfg.data.generated
-    regenerate(teacher(), tok, train, path, enable_thinking=d.enable_thinking, max_turns=d.max_turns,
-               max_new_tokens=d.turn_max_new_tokens, batch_size=g.batch_size, temperature=cfg.sampler.temperature,
-               top_p=cfg.sampler.top_p, seed=cfg.seed, progress=progress,
-               max_seconds=None if g.max_minutes is None else 60 * g.max_minutes, max_prompt_tokens=d.block_size - 1)
+    first = [_first_prompt(tok, c, d.enable_thinking) for c in train[: g.batch_size]]
+    kw = engine([r for r in first if r]) if engine is not None and any(first) else {"engine": "draftsmith"}
+    path = chat_path(cfg, tok, home, kw["engine"])
+    regenerate(None if kw["engine"] == "vllm" else teacher(), tok, train, path, enable_thinking=d.enable_thinking,
+               max_turns=d.max_turns, max_new_tokens=d.turn_max_new_tokens, batch_size=g.batch_size,
+               temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed, progress=progress,
+               max_seconds=None if g.max_minutes is None else 60 * g.max_minutes, max_prompt_tokens=d.block_size - 1,
+               **kw)
     from draftsmith.train.data import line_count, rows_digest
 
     rows = line_count(path)
@@ -140,30 +148,48 @@ def label_rows(samples: list) -> list[dict]:
     return [{"ids": list(x.ids), "at": [p for p in range(len(x.ids) - 1) if x.trained[p + 1]]} for x in samples]
 
 
+def _first_prompt(tok, c: Conversation, enable_thinking) -> list[int]:
+    k = _next_assistant(c.messages, 0, None)
+    return [] if k is None else tok(template_text(tok, c.messages[:k], True, enable_thinking),
+                                    add_special_tokens=False)["input_ids"]
+
+
 def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable_thinking=None, max_turns=None,
                max_new_tokens: int = 256, batch_size: int = 8, temperature: float = 0.8, top_p: float = 1.0,
                seed: int = 0, progress: bool = True, max_seconds: float | None = None,
-               max_prompt_tokens: int | None = None) -> Path:
+               max_prompt_tokens: int | None = None, engine: str = "draftsmith", **engine_kw) -> Path:
     """Each conversation's assistant turns answered again by the target, turn by turn, `batch_size` conversations
     at a time (their k-th turns sampled together), into a JSONL of {"id", "messages", "regenerated"}; rows already in
     the file are kept and the work continues after them. A conversation stops before a turn whose prompt holds
     `max_prompt_tokens` or more (training cuts it away: ShareGPT's prompts run to thousands of tokens); one with no
-    turn regenerated is written with `regenerated` 0 and left out of training."""
+    turn regenerated is written with `regenerated` 0 and left out of training. Every prompt is rendered here, by our
+    tokenizer and the target's template, whichever engine samples it (`engine`: `draftsmith`, our loop on `target`;
+    `vllm`, started once for the whole file and judged before anything is kept, `engine_kw` its settings:
+    train/generation.py `row_sampler`)."""
     from tqdm import tqdm
 
     from draftsmith.sampling.prompts import pad_id
     from draftsmith.train.corpus import _complete_rows
-    from draftsmith.train.generation import own_batches
+    from draftsmith.train.generation import row_sampler
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _complete_rows(out_path, 1, len(convs))
-    t0, new_tokens, written = time.perf_counter(), 0, [done]
+    if done >= len(convs):
+        return out_path  # nothing to sample: no engine is started
+    new_tokens, written = 0, [done]
+    name = "vLLM" if engine == "vllm" else "our loop"
     full = disk_full("the regenerated conversations", out_path, then=lambda: (
         f"free space or point DRAFTSMITH_HOME at a larger disk, and rerun: the {written[0]} conversations written "
         "are kept and regeneration continues after them"))
-    with full, out_path.open("a") as f, tqdm(total=len(convs), initial=done, disable=not progress,
-                                             desc="conversations regenerated by the target (draftsmith)") as bar:
+    sampler = row_sampler(engine, target, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, eos=tok.eos_token_id, pad=pad_id(tok), seed=seed,
+                          max_model_len=None if max_prompt_tokens is None else max_prompt_tokens + max_new_tokens + 8,
+                          **engine_kw)
+    with full, sampler as sample, out_path.open("a") as f, tqdm(
+            total=len(convs), initial=done, disable=not progress,
+            desc=f"conversations regenerated by the target ({engine})") as bar:
+        t0 = time.perf_counter()  # after vLLM's start, which it reports itself: the box and the rate are sampling's
         for lo in range(done, len(convs), batch_size):
             group = [[dict(m) for m in c.messages] for c in convs[lo: lo + batch_size]]
             answered, stopped = [0] * len(group), [False] * len(group)
@@ -179,9 +205,8 @@ def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable
                 if not todo:
                     break
                 rows = [tok(texts[j], add_special_tokens=False)["input_ids"] for j in todo]
-                for start, _, tokens, _, _ in own_batches(
-                        target, rows, len(rows), seed=seed + 7919 * turn, first_row=lo, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, eos=tok.eos_token_id, pad=pad_id(tok)):
+                # the turn's rows in one call: the next turn's prompts need these answers
+                for start, _, tokens, _, _ in sample(rows, seed + 7919 * turn, lo):
                     for j, toks in zip(todo[start:], tokens):
                         group[j][at[j]]["content"] = tok.decode(toks, skip_special_tokens=True)
                         answered[j] += 1
@@ -198,9 +223,10 @@ def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable
                 bar.write(f"regeneration: {max_seconds / 60:.2g} min spent (data.generated.max_minutes), stopping at "
                           f"{written[0]} of {len(convs)} conversations; a rerun continues the cached file")
                 break
+        seconds = time.perf_counter() - t0
     if new_tokens:
-        print(f"draftsmith: regeneration: {new_tokens} tokens in {time.perf_counter() - t0:.1f} s "
-              f"({new_tokens / max(1e-9, time.perf_counter() - t0):.1f} tokens/s, our loop)", file=sys.stderr)
+        print(f"draftsmith: regeneration: {new_tokens} tokens in {seconds:.1f} s "
+              f"({new_tokens / max(1e-9, seconds):.1f} tokens/s, {name})", file=sys.stderr)
     return out_path
 
 

@@ -214,7 +214,7 @@ def check_data(cfg, tokenizer) -> None:
             raise DraftsmithError(f"data=chat needs the target's chat template, and {cfg.target.name} has none: use "
                                   "an Instruct target")
     g = d.generated
-    if g.enabled:
+    if g.enabled or (d.get("format") == "chat" and d.get("regenerate", False)):  # the target samples its corpus
         if g.max_minutes is not None and not g.max_minutes > 0:
             raise DraftsmithError(f"data.generated.max_minutes must be > 0 (or null: no time limit), got "
                                   f"{g.max_minutes}")
@@ -225,6 +225,7 @@ def check_data(cfg, tokenizer) -> None:
         if engine != "draftsmith" and cfg.sampler.get("top_k", 0):
             raise DraftsmithError(f"data.generated.engine={engine} samples with temperature and top-p only; with "
                                   f"sampler.top_k={cfg.sampler.top_k} use data.generated.engine=draftsmith")
+    if g.enabled:
         budget = g.n_prompts * g.samples_per_prompt * g.max_new_tokens
         if budget < d.batch_size * d.block_size:
             raise DraftsmithError(f"data.generated asks for {budget} new tokens ({g.n_prompts} prompts x "

@@ -131,7 +131,8 @@ def train(cfg: DictConfig) -> dict:
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
     chat = cfg.data.get("format") == "chat"  # conversations, one a sample (train/chatcorpus.py)
-    data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch))
+    data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch),
+                                                             engine=_chat_engine(cfg, teacher, tok))
                          if chat else _prepare_corpus(cfg, teacher, tok, file_prompts, target_config,
                                                       _corpus_dir(cfg, out_dir, launch)),
                          _corpus_wait_s(cfg), launch)
@@ -290,29 +291,39 @@ def _generated_corpus(cfg, teacher, tok, file_prompts, target_config, home: Path
     g = cfg.data.generated
     prompts, name = _generated_key(cfg, tok, file_prompts)
     keep = cfg.loss.get("teacher_topk", 0) if cfg.loss.get("distill", True) else 0
-    s = cfg.sampler
-    vllm_kw = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
-                   gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
-    engine = g.get("engine", "draftsmith")
-    if engine != "vllm":  # our loop samples with the target; auto measures both engines on it
-        engine = choose_engine(engine, teacher(), cfg.target.name, lambda: measure_engines(
-            teacher(), cfg.target.name, prompt_rows(tok, prompts[: g.batch_size]), g.batch_size,
-            temperature=s.temperature, top_p=s.top_p, eos=tok.eos_token_id, pad=pad_id(tok), **vllm_kw))
-    check = dtype = None
-    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours; judged before they are kept,
-        # against the target itself in the dtype vLLM runs (like with like), on its device: never an fp32 copy
+    kw = _corpus_engine(cfg, teacher, tok, lambda: prompt_rows(tok, prompts[: g.batch_size]))
+    engine = kw.pop("engine")
+    if engine == "vllm":  # its own seeds: its samples extend its own file, never ours
         name += "-vllm"
-        dtype = _target_dtype(cfg)
-        check = EngineCheck("vllm", teacher, tok, SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, dtype,
-                            seed=cfg.seed)
     path = home / "generated" / f"{name}.jsonl"
+    s = cfg.sampler
     return generate_corpus(None if engine == "vllm" else teacher(), tok, prompts, path,
                            samples_per_prompt=g.samples_per_prompt, max_new_tokens=g.max_new_tokens,
                            temperature=s.temperature, top_p=s.top_p, batch_size=g.batch_size, seed=cfg.seed,
                            max_seconds=None if g.max_minutes is None else 60 * g.max_minutes,
                            keep_logits=keep, keep_features=_feature_layers(cfg, target_config) if keep else None,
-                           engine=engine, target_name=cfg.target.name, check=check, dtype=dtype,
-                           data_parallel_size=g.get("data_parallel_size", 1), **vllm_kw)
+                           engine=engine, data_parallel_size=g.get("data_parallel_size", 1), **kw)
+
+
+def _corpus_engine(cfg, teacher, tok, rows) -> dict:
+    """The engine that samples the target's corpus or regenerates its conversations (data.generated.engine; `auto`
+    measured once on `rows()`, a batch of prompt ids) and its settings, as `generate_corpus` and `regenerate` take
+    them. vLLM is judged before any of its samples is kept, against the target itself in the dtype vLLM runs (like
+    with like), on its device: never an fp32 copy; `teacher()` loads it only then, after vLLM's start."""
+    g, s = cfg.data.generated, cfg.sampler
+    vllm_kw = dict(tensor_parallel_size=g.get("tensor_parallel_size", 1),
+                   gpu_memory_utilization=g.get("gpu_memory_utilization", 0.5))
+    engine = g.get("engine", "draftsmith")
+    if engine != "vllm":  # our loop samples with the target; auto measures both engines on it
+        engine = choose_engine(engine, teacher(), cfg.target.name, lambda: measure_engines(
+            teacher(), cfg.target.name, rows(), g.batch_size, temperature=s.temperature, top_p=s.top_p,
+            eos=tok.eos_token_id, pad=pad_id(tok), **vllm_kw))
+    if engine != "vllm":
+        return {"engine": engine}
+    dtype = _target_dtype(cfg)
+    check = EngineCheck("vllm", teacher, tok, SamplingConfig(s.temperature, 0, s.top_p), cfg.target.name, dtype,
+                        seed=cfg.seed)
+    return {"engine": "vllm", "check": check, "dtype": dtype, "target_name": cfg.target.name, **vllm_kw}
 
 
 def _generated_key(cfg, tok, file_prompts) -> tuple[list[str], str]:
@@ -388,7 +399,10 @@ def _prepare_only(cfg, tok, file_prompts, out_dir: Path, launch: Launch) -> dict
         print(f"draftsmith: the corpus is ready: {record['rows']} samples in {record['source']}; draftsmith train "
               "with the same overrides uses it", flush=True)
         return record
-    record = chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch))
+    if _vllm_samples(cfg):
+        vllm.ready(cfg.target.name)  # no vLLM, or a target it cannot run: refused before any work
+    record = chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch),
+                                engine=_chat_engine(cfg, teacher, tok))
     blocks = chatcorpus.chat_blocks(cfg, tok, record)
     n = sum(len(b["ids"]) for b in blocks["train"])
     print(f"draftsmith: the corpus is ready: {n} conversations of {record['source']} in {len(blocks['train'])} "
@@ -621,7 +635,15 @@ def _target_dtype(cfg) -> torch.dtype:
 
 
 def _vllm_samples(cfg) -> bool:
-    return bool(cfg.data.generated.enabled) and cfg.data.generated.get("engine", "draftsmith") == "vllm"
+    """vLLM samples the target's corpus: data=generated, or data=chat's regenerated conversations."""
+    d = cfg.data
+    samples = d.generated.enabled or (d.get("format") == "chat" and d.get("regenerate", False))
+    return bool(samples) and d.generated.get("engine", "draftsmith") == "vllm"
+
+
+def _chat_engine(cfg, teacher, tok):
+    """data=chat's regenerating engine, chosen when there is work for it (`chatcorpus.prepare`)."""
+    return lambda rows: _corpus_engine(cfg, teacher, tok, lambda: rows)
 
 
 def _target_ranks_setting(cfg) -> str:

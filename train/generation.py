@@ -10,14 +10,16 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
   distribution would teach the draft the wrong target. Its whole process tree ends with the run (`process_tree`).
 - `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
 A corpus sampled elsewhere (`data.source=` prompt + completion pairs) comes in through `teacher_batches`: one
-teacher pass writes what the loop would have kept.
+teacher pass writes what the loop would have kept. Work whose next rows depend on the last ones' samples (a
+conversation's next turn holds the target's answer to the last: `train/chatcorpus.py` `regenerate`) asks for them
+through `row_sampler`: the same batches, from our loop or from one vLLM started for all of them.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from contextlib import closing, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -68,6 +70,24 @@ def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, fi
             prefill = None if tap is None else (prompt_features[0], mask, keep_features)
             record = _own_record(gen.tokens, kept, prefill)
         yield start, chunk, [t.tolist() for t in gen.tokens], record, time.perf_counter() - t0
+
+
+@contextmanager
+def row_sampler(engine: str, target, *, batch_size: int, max_new_tokens: int, temperature: float, top_p: float,
+                eos: int, pad: int = 0, seed: int = 0, target_name: str | None = None,
+                dtype: torch.dtype | None = None, check=None, max_model_len: int | None = None, **vllm_kw):
+    """`sample(rows, seed, first_row)`: the engine's batches of `rows` (prompt ids), as above, for a caller that
+    decides each call's rows from the last call's samples. `draftsmith`: our loop on `target`; `vllm`: one vLLM
+    (`target_name` in `dtype`; `max_model_len`, the longest prompt plus its new tokens it will be given) started
+    on entry, judged by `check` before the first row is sampled, and stopped, its whole process tree, on leaving."""
+    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos=eos)
+    if engine != "vllm":
+        yield lambda rows, seed, first_row: own_batches(target, rows, batch_size, seed=seed, first_row=first_row,
+                                                        pad=pad, **common)
+        return
+    with vllm.Session(target_name, dtype, seed=seed, check=check, max_model_len=max_model_len, **common,
+                      **vllm_kw) as session:
+        yield lambda rows, seed, first_row: session.batches(rows, batch_size, seed=seed, first_row=first_row)
 
 
 def teacher_batches(target, rows: list[list[int]], completions: list[list[int]], batch_size: int, *, first_row: int,

@@ -1,5 +1,5 @@
-"""Sample a corpus in vLLM; started by `engines/vllm.py` `batches` (`data.generated.engine=vllm`) with the vLLM
-venv's python:
+"""Sample a corpus in vLLM; started by `engines/vllm.py` `Session` (`data.generated.engine=vllm`: a corpus of prompts,
+or regenerated conversations) with the vLLM venv's python:
 
     ~/.cache/draftsmith/engines/vllm/bin/python engines/vllm_corpus.py request.json OUT_DIR
 
@@ -8,12 +8,15 @@ older transformers). Writes, each atomically (a temporary name, then a rename):
 - `OUT_DIR/started.json` once the engine is up, with its start time and version.
 - `OUT_DIR/check.json` next, when the request has a `check` job: `n` plain samples of 2 tokens of one prompt,
   which the trainer judges against the target's exact probabilities before it keeps any sample;
-- then one `OUT_DIR/{first_row:09d}.safetensors` per batch of the request's `batches` (its generation's seconds
-  in the metadata), in the layout of the trainer's kept logits: `tokens` (every row's new tokens, EOS included,
+- then, for each job the trainer writes as it goes, `OUT_DIR/job-{n:06d}.json` ({"rows": [{"prompt": ids, "seed":
+  s}]}, numbered from 0, written atomically), one `OUT_DIR/job-{n:06d}.safetensors` (its generation's seconds in the
+  metadata), in the layout of the trainer's kept logits: `tokens` (every row's new tokens, EOS included,
   concatenated), `steps` (tokens per row), `values` / `index` (the top-k log-probabilities of the distribution each
   token was drawn from and their token ids, row-major). vLLM's `raw_logprobs`: the log-softmax of the model's
   logits before temperature, top-k and top-p, which is what the trainer's own loop keeps and the distillation loss
-  reads.
+  reads. Jobs come one at a time or all at once: a corpus of prompts writes them all, regenerated conversations
+  write a turn's only once the turn before it is back (its prompts hold those answers). `OUT_DIR/stop` ends the
+  worker once the jobs before it are done.
 """
 
 import json
@@ -57,8 +60,15 @@ def main(request_path: str, out_dir: str) -> None:
         _atomic(os.path.join(out_dir, "check.json"),
                 lambda p: open(p, "w").write(json.dumps([list(c.token_ids) for c in out.outputs])))
 
-    for batch in req["batches"]:
-        rows = batch["rows"]
+    n = 0
+    while True:  # the trainer's jobs, in order, until it says stop (or ends this process tree)
+        job = os.path.join(out_dir, f"job-{n:06d}")
+        if not os.path.exists(job + ".json"):
+            if os.path.exists(os.path.join(out_dir, "stop")):
+                break
+            time.sleep(0.02)
+            continue
+        rows = json.loads(open(job + ".json").read())["rows"]
         params = [SamplingParams(temperature=req["temperature"], top_p=req["top_p"], top_k=req.get("top_k") or -1,
                                  max_tokens=req["max_new_tokens"], seed=r["seed"], logprobs=k or None,
                                  detokenize=False, stop_token_ids=req.get("eos") or None) for r in rows]
@@ -78,8 +88,8 @@ def main(request_path: str, out_dir: str) -> None:
         if k:
             record["values"] = torch.tensor(values, dtype=torch.float32).reshape(-1, k).half()
             record["index"] = torch.tensor(index, dtype=torch.int32).reshape(-1, k)
-        _atomic(os.path.join(out_dir, f"{batch['first_row']:09d}.safetensors"),
-                lambda p: save_file(record, p, metadata={"seconds": str(seconds)}))
+        _atomic(job + ".safetensors", lambda p: save_file(record, p, metadata={"seconds": str(seconds)}))
+        n += 1
 
 
 def _cpu_build() -> bool:
