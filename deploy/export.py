@@ -357,7 +357,10 @@ def speculators_fields(cfg: dict, verifier: str, verifier_architectures: list[st
     return {"speculators_model_type": "eagle3", "speculators_version": "0.9.0",
             "draftsmith_version": version("draftsmith"), "transformer_layer_config": layer,
             "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
-            "norm_before_residual": False,  # vLLM's speculators reader defaults to True; ours is False
+            # vLLM's speculators reader defaults norm_before_residual to True, so it is always written; the other
+            # variants (a peer's head re-exported) where the draft has them
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            **{k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)},
             "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
