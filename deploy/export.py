@@ -226,7 +226,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
-        draft, draft_tok = load_model(str(src), dtype, device=device), load_tokenizer(str(src))
+        draft = load_model(str(src), dtype, device=device)
+        # a peer's EAGLE-3 head (sampling/peers.py) ships no tokenizer: it is the target's, written into the bundle
+        peer = is_feature_draft(draft) and not any(src.glob("tokenizer*"))
+        draft_tok = target_tok if peer else load_tokenizer(str(src))
     check_pair(target_tok, draft_tok, target, draft)
 
     print(f"measuring acceptance and costs on {device_name(device_of(target))}...", file=sys.stderr)
