@@ -68,7 +68,8 @@ def write_speculators(draft: FeatureDraft, path) -> None:
     save_file(state, str(path / "model.safetensors"))
     cfg = {"architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
            "speculators_model_type": "eagle3", "transformer_layer_config": layer_config(c),
-           "draft_vocab_size": draft.lm_head.weight.shape[0], "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+           "draft_vocab_size": draft.lm_head.weight.shape[0],
+           "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
            "target_hidden_size": None, "norm_before_residual": c.norm_before_residual,
            "norm_before_fc": c.norm_before_fc, "fc_norm": c.fc_norm, "norm_output": c.norm_output,
            "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": None, "architectures": []}}}
@@ -80,7 +81,8 @@ def write_specforge(draft: FeatureDraft, path) -> None:
     c = draft.config
     path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(path / "model.safetensors"))
-    cfg = {**layer_config(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft.lm_head.weight.shape[0],
+    cfg = {**layer_config(c), "architectures": ["LlamaForCausalLMEagle3"],
+           "draft_vocab_size": draft.lm_head.weight.shape[0],
            "target_hidden_size": c.target_hidden_size,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.feature_layers]}}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -312,7 +314,8 @@ def test_our_feature_draft_matches_the_peers_own_module(tmp_path, fmt, flags):
     T = ref["features"].shape[1]
     with torch.no_grad():
         outs = draft.unroll(ref["input_ids"][:, :T], ref["features"], steps=2)
-        ours = [draft.head(outs[0]).sub_logits, draft.head(outs[1]).sub_logits[:, 1:]]  # their step-1 slot j is our j + 1
+        # their step-1 slot j is our slot j + 1 (it reads the token after ours and our slot j's output)
+        ours = [draft.head(outs[0]).sub_logits, draft.head(outs[1]).sub_logits[:, 1:]]
     diffs = [float((a - ref[f"logits{s}"]).abs().max()) for s, a in enumerate(ours)]
     print(f"{fmt} {flags}: max |logit diff| step 0 {diffs[0]:.2e}, step 1 {diffs[1]:.2e} "
           f"(logits up to {float(ref['logits0'].abs().max()):.1f})")
