@@ -279,8 +279,12 @@ def test_vllm_maps_a_pruned_feature_heads_rows_through_d2t(scattered_feature_bun
           refused.value)
     assert ours["verdict"] == "pass" and theirs["verdict"] == "pass", (ours["detail"], theirs["detail"])
     assert ours["engine_acceptance"] > 0.4  # the construction works: a test of which token each row proposes
-    assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1
-    assert dropped.accepted / dropped.drafted < ours["engine_acceptance"] - 0.3  # the planted fault is seen
+    # vLLM counts every drafted token, those after a rejection too; ours only those tested: compare the first
+    # position, tested in every draft by both (first run: ours 53/113, vLLM 52/108; without d2t vLLM 0/368)
+    mine, its = ours["engine_counts"], theirs["engine_counts"]
+    first = mine["accepted_at"][0] / mine["tested_at"][0]
+    assert abs(its["accepted_per_pos"][0] / its["spec_decode_num_drafts"] - first) < 0.1
+    assert dropped.accepted / dropped.drafted < first - 0.3  # the planted fault is seen
 
 
 SPECULATORS_CHECK = """
