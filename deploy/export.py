@@ -281,7 +281,10 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
         draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
-        draft, draft_tok = load_model(str(src), dtype, device=device), load_tokenizer(str(src))
+        draft = load_model(str(src), dtype, device=device)
+        # a peer's EAGLE-3 head (sampling/peers.py) ships no tokenizer: it is the target's, written into the bundle
+        peer = is_feature_draft(draft) and not any(src.glob("tokenizer*"))
+        draft_tok = target_tok if peer else load_tokenizer(str(src))
     check_pair(target_tok, draft_tok, target, draft)
 
     print(f"measuring acceptance and costs on {device_name(device_of(target))}...", file=sys.stderr)
@@ -415,7 +418,10 @@ def speculators_fields(cfg: dict, verifier: str, verifier_architectures: list[st
     return {"speculators_model_type": "eagle3", "speculators_version": "0.9.0",
             "draftsmith_version": version("draftsmith"), "transformer_layer_config": layer,
             "draft_vocab_size": cfg["draft_vocab_size"], "target_hidden_size": cfg["target_hidden_size"],
-            "norm_before_residual": False,  # vLLM's speculators reader defaults to True; ours is False
+            # vLLM's speculators reader defaults norm_before_residual to True, so it is always written; the other
+            # variants (a peer's head re-exported) where the draft has them
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            **{k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)},
             "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",

@@ -44,7 +44,7 @@ class FeatureConfig:
     num_key_value_heads: int
     head_dim: int
     target_hidden_size: int
-    target_num_hidden_layers: int
+    target_num_hidden_layers: int | None  # None: unknown (a peer's checkpoint names only its layer ids)
     feature_layers: list[int]
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -52,6 +52,13 @@ class FeatureConfig:
     draft_vocab_size: int | None = None  # None: the full vocabulary
     hidden_act: str = "silu"
     num_hidden_layers: int = 1
+    # speculators' variants of the EAGLE-3 layer (its `Eagle3SpeculatorConfig`; vLLM serves them too), all off in
+    # the classic layer we train: the residual taken after hidden_norm, one RMSNorm over the 3 concatenated features
+    # before fc (or one per feature: fc_norm), and the final norm applied to the output fed to the next step
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     draftsmith_kind: str = KIND
     extra: dict = field(default_factory=dict)
 
@@ -77,9 +84,12 @@ class FeatureConfig:
 
     def __post_init__(self):
         layers, L = list(self.feature_layers), self.target_num_hidden_layers
-        if len(set(layers)) != 3 or not all(0 <= i < L for i in layers):
+        if len(set(layers)) != 3 or not all(0 <= i < (L if L is not None else 1 << 30) for i in layers):
             raise DraftsmithError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
                                   f"{layers}")
+        if self.norm_before_fc and self.fc_norm:
+            raise DraftsmithError("norm_before_fc and fc_norm are exclusive (one norm over the 3 features, or one "
+                                  "per feature): set one of them false in the draft's config.json")
         # vLLM collects the target's states in layer order (`tuple(sorted(set(ids)))`): a draft whose fc reads them
         # in another order would be served silently wrong there
         if layers != sorted(layers):
@@ -87,13 +97,24 @@ class FeatureConfig:
                                   "passes the target's states: this draft cannot be served as trained")
 
     def check_target(self, tc) -> None:
-        """A feature draft reads the hidden states of one target shape: refuse any other, naming both sides."""
-        mine = (self.target_hidden_size, self.target_num_hidden_layers, self.vocab_size)
-        theirs = (tc.hidden_size, tc.num_hidden_layers, tc.vocab_size)
-        if mine != theirs:
-            raise DraftsmithError(f"this feature draft was trained on a target of width {mine[0]}, {mine[1]} layers, "
-                                  f"vocabulary {mine[2]}; the target given has width {theirs[0]}, {theirs[1]} layers, "
-                                  f"vocabulary {theirs[2]}")
+        """A feature draft reads the hidden states of one target shape: refuse any other, naming both sides. A
+        peer's head (`peers.py`) does not record the target's depth: its layer ids must exist there."""
+        L = self.target_num_hidden_layers
+        depth_ok = L == tc.num_hidden_layers if L is not None else max(self.feature_layers) < tc.num_hidden_layers
+        if (self.target_hidden_size, self.vocab_size) != (tc.hidden_size, tc.vocab_size) or not depth_ok:
+            depth = f"{L} layers" if L is not None else f"layers {list(self.feature_layers)}"
+            raise DraftsmithError(f"this feature draft was trained on a target of width {self.target_hidden_size}, "
+                                  f"{depth}, vocabulary {self.vocab_size}; the target given has width "
+                                  f"{tc.hidden_size}, {tc.num_hidden_layers} layers, vocabulary {tc.vocab_size}")
+
+
+def check_vocab_map(keys, head_rows: int, vocab_size: int, path) -> None:
+    """A head over fewer tokens than the target's vocabulary needs its d2t (which target token each head row
+    proposes). Without it vLLM silently maps row i to token i and its acceptance collapses; we refuse instead."""
+    if head_rows < vocab_size and "d2t" not in keys:
+        raise DraftsmithError(f"{path}: the draft's head covers {head_rows} of the target's {vocab_size} tokens but "
+                              "its weights hold no d2t (the target token of each head row); export it again with "
+                              "d2t, or train it with the full vocabulary")
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +169,7 @@ class _MLP(nn.Module):
 class _MidLayer(nn.Module):
     def __init__(self, c: FeatureConfig):
         super().__init__()
+        self.norm_before_residual = c.norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # on the token embedding
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # on the feature
         self.self_attn = _Attention(c)
@@ -158,8 +180,9 @@ class _MidLayer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
 
     def finish(self, attn_out, hidden):
-        """Residual on the feature (not the embedding), as vLLM's EAGLE-3 layer. Returns the pre-norm output."""
-        h = hidden + attn_out
+        """Residual on the feature (not the embedding), as vLLM's EAGLE-3 layer; on the normed feature where
+        norm_before_residual (speculators' variant). Returns the pre-norm output."""
+        h = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -178,6 +201,10 @@ class FeatureDraft(nn.Module):
         n = c.draft_vocab_size or c.vocab_size
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # the target's, frozen
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3))
         self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, n, bias=False)
@@ -223,8 +250,21 @@ class FeatureDraft(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, d)
 
     def fuse(self, features):
+        """The target's three states (B, T, 3 H_target) through fc, or the draft's own pre-norm output (B, T, H)."""
         features = features.to(self.dtype)
-        return self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        c = self.config
+        if features.shape[-1] == c.hidden_size and c.hidden_size != 3 * c.target_hidden_size:
+            return self.own_feature(features)
+        if c.norm_before_fc:
+            features = self.input_norm(features)
+        if c.fc_norm:
+            features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(3, -1))], -1)
+        return self.fc(features)
+
+    def own_feature(self, hidden):
+        """What the draft's own output feeds its next step: the pre-norm output (EAGLE-3), or the normed one where
+        norm_output (speculators' variant; `.hidden` stays pre-norm, so `head` norms it once)."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def head(self, hidden):
         """Logits of the pre-norm output: full vocabulary, or a `PrunedOutput` over the head's subset."""
@@ -280,7 +320,7 @@ class FeatureDraft(nn.Module):
         ks, vs, outs = [], [], []
         for s in range(steps):
             if s:
-                hidden = torch.cat([hidden[:, :1] * 0, outs[-1][:, :-1]], 1)  # own output at slot j-1
+                hidden = torch.cat([hidden[:, :1] * 0, self.own_feature(outs[-1][:, :-1])], 1)  # own output, slot j-1
             q, k, v = self.midlayer.self_attn.qkv(self.midlayer.inputs(emb, hidden), cos, sin)
             ks.append(k)
             vs.append(v)
@@ -308,6 +348,10 @@ class FeatureDraft(nn.Module):
     def config_dict(self) -> dict:
         """Ours, plus the keys vLLM reads to serve it as `method: eagle3` (`LlamaForCausalLMEagle3`)."""
         c = self.config
+        # speculators' layer variants only where set: a classic draft's config stays as it was (SpecForge reads
+        # `norm_output` otherwise than speculators and vLLM do)
+        flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+        ours = {k: v for k, v in asdict(c).items() if k not in flags or v}
         vllm = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "tie_word_embeddings": False,
                 "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
                 "draft_vocab_size": self.lm_head.weight.shape[0],
@@ -317,10 +361,11 @@ class FeatureDraft(nn.Module):
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
                                  "use_aux_hidden_state": True},
                 "torch_dtype": str(self.dtype).removeprefix("torch.")}
-        return {**asdict(c), **vllm}
+        return {**ours, **vllm}
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32) -> FeatureDraft:
+        """Ours (a peer's EAGLE-3 head: `peers.load_feature`, which `load_model` calls)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -331,6 +376,7 @@ class FeatureDraft(nn.Module):
             state = load_file(str(path / "model.safetensors"))
         except (OSError, json.JSONDecodeError, TypeError, SafetensorError) as e:
             raise DraftsmithError(f"{path} is not a readable feature draft ({type(e).__name__}: {e})") from None
+        check_vocab_map(state, model.lm_head.weight.shape[0], model.config.vocab_size, path)
         model.load_state_dict(state)
         return model.to(dtype).eval()
 
@@ -339,12 +385,26 @@ def is_feature_draft(model) -> bool:
     return isinstance(model, FeatureDraft)
 
 
+def peer_format(cfg: dict) -> str | None:
+    """An EAGLE-3 head trained elsewhere that `peers.py` reads: "speculators" (`speculators_model_type: eagle3`),
+    "specforge" (SpecForge/SGLang's `LlamaForCausalLMEagle3`), or None (ours, or not such a head)."""
+    if cfg.get("draftsmith_kind") is not None:
+        return None
+    if cfg.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (cfg.get("architectures") or []):
+        return "specforge"
+    return None
+
+
 def is_feature_dir(path) -> bool:
+    """Ours, or a peer's EAGLE-3 head (`peer_format`)."""
     p = Path(path) / "config.json"
     try:
-        return p.is_file() and json.loads(p.read_text()).get("draftsmith_kind") == KIND
+        cfg = json.loads(p.read_text()) if p.is_file() else {}
     except (OSError, json.JSONDecodeError):
         return False
+    return cfg.get("draftsmith_kind") == KIND or peer_format(cfg) is not None
 
 
 class FeatureTap:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from draftsmith.sampling.cli import Draft, add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.feature import is_feature_draft
+from draftsmith.sampling.feature import is_feature_dir, is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
 from draftsmith.sampling.stats import TAU
@@ -121,7 +122,10 @@ def main(argv=None, prog=None) -> int:
         target = load_model(args.target, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         draft = None
         if source is not None:
-            check_same_tokenizer(tok, load_tokenizer(source.path))
+            # a peer's EAGLE-3 head ships no tokenizer (it is the target's); its vocabulary is checked against the
+            # target's when the pair runs (FeatureConfig.check_target)
+            if not is_feature_dir(source.path) or any(Path(source.path).glob("tokenizer*")):
+                check_same_tokenizer(tok, load_tokenizer(source.path))
             draft = load_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
                 raise DraftsmithError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "

@@ -20,8 +20,9 @@ import torch
 
 from draftsmith.sampling import kernels, precision
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.feature import FeatureDraft, is_feature_dir
+from draftsmith.sampling.feature import is_feature_dir
 from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.peers import load_feature
 from draftsmith.sampling.pruned import trained_head
 
 # The right dtype depends on the CPU and on the shape (sampling/precision.py): bf16 is faster for decoding where the
@@ -299,7 +300,8 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     if role not in ("decode", "teacher"):
         raise DraftsmithError(f"role must be decode or teacher, got {role!r}")
     path = resolve(name)
-    check_remote_code(path, trust_remote_code)
+    if not is_feature_dir(path):  # a feature head is read by our own code: a peer's auto_map is never imported
+        check_remote_code(path, trust_remote_code)
     check_weight_files(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise DraftsmithError(f"{path} holds a config but no weights: a shape to plan for (plan=true), not a model "
@@ -308,7 +310,7 @@ def load_model(name: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu", role:
     explicit = dtype != "auto"
     if is_feature_dir(path):  # one layer: fp32 on a CPU (its cost is per-call overhead, not arithmetic)
         chosen = DTYPES[dtype] if explicit else (DTYPES[precision.cuda_dtype()] if cuda else torch.float32)
-        return check_finite(FeatureDraft.from_pretrained(path, chosen).to(device).requires_grad_(False), path)
+        return check_finite(load_feature(path, chosen).to(device).requires_grad_(False), path)
     if not explicit and cuda:
         dtype = precision.cuda_dtype()
     elif not explicit and role == "teacher":

@@ -33,7 +33,10 @@ LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base",
           "tests": {"base", "train", "deepspeed", "engines", "dev"}}
 # imports that run in another environment than draftsmith's
 ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): engines/workers/vllm_judge.py "
-                     "and vllm_corpus.py run there"}
+                     "and vllm_corpus.py run there",
+             "speculators": "vLLM's own venv, which installs it: engines/workers/eagle3_reference.py runs there",
+             "specforge": "its wheel unpacked on PYTHONPATH in vLLM's venv, for eagle3_reference.py "
+                          "(tests/test_peers.py)"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
 LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained",
         ("scripts/gpu_image.py", "packaging"): "constraints(): the image copy, built by the dev tests (or by hand "
