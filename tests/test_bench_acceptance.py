@@ -15,7 +15,9 @@ def test_every_draft_meets_the_same_target_samples(smoke_run, tmp_path, capsys):
     rc = main([str(run), str(resolve("tiny-random")), "--target", "tiny-random", "--prompts", "code",
                "--n-prompts", "3", "--max-new-tokens", "8", "--dtype", "fp32", "--seed", "5", "--json", str(out)])
     assert rc == 0
-    table = json.loads(out.read_text())["alpha_on_target"]
+    record = json.loads(out.read_text())
+    table = record["alpha_on_target"]
+    assert record["prompts"] == {"code": 3}
     assert set(table) == {run.name, "tiny-random"}
     assert abs(table["tiny-random"]["code"] - 1.0) < 1e-6  # the target as its own draft is always accepted
     tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")

@@ -103,8 +103,11 @@ def test_the_engines_process_tree_ends_with_the_run_interrupted(fake_vllm, which
     runs; the guard sees its parent gone): no process of the engine's is left. Before process_tree the engine's
     own process outlived Ctrl-C, and the worker too outlived SIGKILL."""
     env = dict(fake_vllm.env, FAKE_VLLM="hang")
+    # Ctrl-C as a terminal delivers it: a shell's background job (`pytest ... &`) ignores SIGINT and its children
+    # inherit that, so the run is given the default back
     run = subprocess.Popen([sys.executable, "-c", RUN[which], str(fake_vllm.target)], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for_tree(run, fake_vllm.marker)
     run.send_signal(sig)
     _, err = run.communicate(timeout=120)

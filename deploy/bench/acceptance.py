@@ -74,8 +74,10 @@ def main(argv=None, prog=None) -> int:
                                      pad_token_id=pad_id(tok), seed=args.seed)
             for name, draft in drafts.items():
                 table[name][ps] = alpha_on_samples(target, draft, samples, cfg, k=args.k)
-    print(f"alpha_on_target at T={cfg.temperature}, top-p={cfg.top_p}, K={args.k}: the same {args.n_prompts} "
-          f"prompts x {args.max_new_tokens} tokens of {target_name} a set for every draft")
+    sizes = {ps: len(ids) for ps, (ids, _) in sets.items()}  # a shipped set may hold fewer than --n-prompts
+    print(f"alpha_on_target at T={cfg.temperature}, top-p={cfg.top_p}, K={args.k}: every draft on the same "
+          f"{args.max_new_tokens}-token continuations by {target_name} of "
+          + ", ".join(f"{n} {ps}" for ps, n in sizes.items()) + " prompts")
     width = max(len(n) for n in table) + 2
     print(f"{'draft':<{width}}" + "".join(f"{ps:>10}" for ps in args.prompts))
     for name, row in table.items():
@@ -83,7 +85,7 @@ def main(argv=None, prog=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "target": target_name, "temperature": cfg.temperature, "top_p": cfg.top_p, "k": args.k,
-            "n_prompts": args.n_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "prompts": sizes, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "drafts": {n: src.path for n, src in zip(table, sources)}, "alpha_on_target": table}, indent=2))
     return 0
 
