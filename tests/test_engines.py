@@ -126,21 +126,14 @@ def test_llamacpp_is_judged(demo_bundle):
 FEATURE_LAYERS = [0, 14, 29]  # none of them vLLM's default for a 30-layer target, (2, 15, 27)
 
 
-@pytest.fixture(scope="module")
-def feature_bundle(demo_target, tmp_path_factory):
-    """A feature head (EAGLE-3) with a pruned 8192-token head on target layers [0, 14, 29], built to depend on one
-    of them: fc passes layer 0's feature (the hidden state entering layer 0: the embedding of the token x_j) to the
-    head unchanged (the layer's attention and MLP outputs zeroed, a unit final norm), so slot j proposes x_j for
-    x_{j+2}, what the target says once it repeats itself. Fed another layer in that slot (vLLM's default layer 2),
-    the same weights propose other tokens."""
+def _layer0_feature_bundle(target, tok, counts, root):
+    """A feature head whose pruned head keeps the 8192 tokens `counts` ranks highest, its fc passing layer 0's
+    feature (the embedding of x_j) to the head unchanged (attention and MLP outputs zeroed, a unit final norm),
+    exported to root/bundle."""
     from draftsmith.deploy.export import export
     from draftsmith.sampling.load import resolve
     from draftsmith.train.feature import build_feature_draft
 
-    target, tok = demo_target
-    root = tmp_path_factory.mktemp("feature")
-    counts = torch.zeros(target.config.vocab_size)
-    counts[:8192] = 1.0
     draft = build_feature_draft(target, FEATURE_LAYERS, 8192, counts)
     H = target.config.hidden_size
     with torch.no_grad():
@@ -153,6 +146,20 @@ def feature_bundle(demo_target, tmp_path_factory):
     tok.save_pretrained(root / "draft")
     return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
                   max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def feature_bundle(demo_target, tmp_path_factory):
+    """A feature head (EAGLE-3) with a pruned 8192-token head on target layers [0, 14, 29], built to depend on one
+    of them: fc passes layer 0's feature (the hidden state entering layer 0: the embedding of the token x_j) to the
+    head unchanged (the layer's attention and MLP outputs zeroed, a unit final norm), so slot j proposes x_j for
+    x_{j+2}, what the target says once it repeats itself. Fed another layer in that slot (vLLM's default layer 2),
+    the same weights propose other tokens."""
+    target, tok = demo_target
+    root = tmp_path_factory.mktemp("feature")
+    counts = torch.zeros(target.config.vocab_size)
+    counts[:8192] = 1.0
+    return _layer0_feature_bundle(target, tok, counts, root)
 
 
 def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(feature_bundle):
@@ -257,10 +264,7 @@ def scattered_feature_bundle(demo_target, tmp_path_factory):
     """`feature_bundle`'s draft with a pruned head whose rows are not the first token ids: the tokens of REPEATS and
     of the target's greedy continuations of them (what the draft proposes there), the rest from the top of the
     vocabulary. So head row i proposes a token other than i, and only d2t says which."""
-    from draftsmith.deploy.export import export
     from draftsmith.sampling import autoregressive_generate
-    from draftsmith.sampling.load import resolve
-    from draftsmith.train.feature import build_feature_draft
 
     target, tok = demo_target
     root = tmp_path_factory.mktemp("scattered")
@@ -271,18 +275,7 @@ def scattered_feature_bundle(demo_target, tmp_path_factory):
         ids = tok(text, return_tensors="pt").input_ids
         out = autoregressive_generate(target, ids, max_new_tokens=32, temperature=0)
         counts[ids[0]] = counts[out.tokens[0]] = 2.0  # never cut: the rest of the head has count 1
-    draft = build_feature_draft(target, FEATURE_LAYERS, 8192, counts)
-    H = target.config.hidden_size
-    with torch.no_grad():  # as feature_bundle: layer 0's feature (x_j's embedding) straight to the head
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, :H] = torch.eye(H)
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.norm.weight.fill_(1.0)
-    draft.save_pretrained(root / "draft")
-    tok.save_pretrained(root / "draft")
-    return export(root / "draft", root / "bundle", target_arg=str(resolve("smollm2-135m")), n_prompts=1,
-                  max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
+    return _layer0_feature_bundle(target, tok, counts, root)
 
 
 @installed("vllm", vllm_missing())

@@ -62,11 +62,10 @@ class FeatureDist:
         return process_logits(logits, self.cfg).double()
 
 
-@pytest.mark.parametrize("temperature", [0.9, 1.3])
-def test_loop_drafts_what_unroll_computes(pair, monkeypatch, temperature):
-    """Every p the sampler verifies equals the training-time-test computation on the same context. (Greedy
-    decoding builds no p; it is covered by the greedy-equality tests.)"""
-    target, draft = pair
+def loop_matches_unroll(target, draft, monkeypatch, temperature: float, prompt: list[int],
+                        max_new_tokens: int) -> tuple[int, int]:
+    """Speculative sampling with a spy on `verify`: every p the sampler verifies is asserted equal to the
+    training-time-test computation (FeatureDist) on the same context. Returns (verify calls, calls that rejected)."""
     seen = []
     real = speculative.verify
 
@@ -76,17 +75,23 @@ def test_loop_drafts_what_unroll_computes(pair, monkeypatch, temperature):
         return n, nxt
 
     monkeypatch.setattr(speculative, "verify", spy)
-    prompt = [1, 3, 2]
-    cfg = SamplingConfig(temperature)
-    speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=14, k=3, temperature=temperature,
-                         generator=torch.Generator().manual_seed(3))
-    ref, verified, rejected = FeatureDist(target, draft, cfg), list(prompt), 0
+    speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=max_new_tokens, k=3,
+                         temperature=temperature, generator=torch.Generator().manual_seed(3))
+    ref, verified, rejected = FeatureDist(target, draft, SamplingConfig(temperature)), list(prompt), 0
     for p, drafts, n, nxt in seen:
         for i in range(len(drafts)):
             assert torch.allclose(p[i].double(), ref(verified, drafts[:i]), atol=1e-5)
         verified += drafts[:n] + [nxt]
         rejected += n < len(drafts)
-    assert len(seen) >= 4 and 0 < rejected < len(seen)
+    return len(seen), rejected
+
+
+@pytest.mark.parametrize("temperature", [0.9, 1.3])
+def test_loop_drafts_what_unroll_computes(pair, monkeypatch, temperature):
+    """Every p the sampler verifies equals the training-time-test computation on the same context. (Greedy
+    decoding builds no p; it is covered by the greedy-equality tests.)"""
+    calls, rejected = loop_matches_unroll(*pair, monkeypatch, temperature, [1, 3, 2], 14)
+    assert calls >= 4 and 0 < rejected < calls
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
-from test_feature import FeatureDist
+from test_feature import FeatureDist, loop_matches_unroll
 
 import draftsmith.sampling.speculative as speculative
 from draftsmith.sampling import autoregressive_generate, speculative_generate
@@ -122,24 +122,8 @@ def test_the_loop_drafts_what_unroll_computes_with_speculators_variants(target, 
     """The sampler's cached loop and `unroll` (which the slow test matches to speculators' own module) agree with
     norm_before_residual, norm_before_fc and norm_output on: the own-output feedback is normed once, not twice."""
     draft = draft_for(target, **FLAGS)
-    seen = []
-    real = speculative.verify
-
-    def spy(p, q, drafts, generator=None):
-        n, nxt = real(p, q, drafts, generator)
-        seen.append((p[0].clone(), drafts[0].tolist(), int(n[0]), int(nxt[0])))
-        return n, nxt
-
-    monkeypatch.setattr(speculative, "verify", spy)
-    prompt = [1, 5, 2]
-    speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=12, k=3, temperature=temperature,
-                         generator=torch.Generator().manual_seed(3))
-    ref, verified = FeatureDist(target, draft, SamplingConfig(temperature)), list(prompt)
-    for p, drafts, n, nxt in seen:
-        for i in range(len(drafts)):
-            assert torch.allclose(p[i].double(), ref(verified, drafts[:i]), atol=1e-5)
-        verified += drafts[:n] + [nxt]
-    assert len(seen) >= 3
+    calls, _ = loop_matches_unroll(target, draft, monkeypatch, temperature, [1, 5, 2], 12)
+    assert calls >= 3
 
 
 @pytest.mark.parametrize("fmt", ["ours", "speculators", "specforge"])
@@ -206,20 +190,25 @@ def test_what_does_not_map_is_refused_in_one_line(target, tmp_path):
         load_model(str(tmp_path / "ok"), dtype="fp32").config.check_target(tiny_llama(vocab=V, layers=2).config)
 
 
-def test_draftsmith_generate_runs_a_peers_head(tmp_path, capsys):
-    """`draftsmith generate --target T HEAD`: a speculators head with no tokenizer of its own (it is the target's),
-    greedy, prints the target's own greedy continuation; our sampler counts its drafts."""
-    from draftsmith.sampling.generate import main
-    from draftsmith.sampling.load import load_model as load
-
-    target = load("tiny-random", dtype="fp32")
+def _speculators_head_for_tiny_random(path):
+    """A speculators head (FLAGS on, a 64-row head over every 8th token, the target's embeddings) for the smoke
+    target, written in speculators' format to `path`."""
+    target = load_model("tiny-random", dtype="fp32")
     torch.manual_seed(0)
     c = FeatureConfig.for_target(target.config, draft_vocab_size=64)
     draft = FeatureDraft(FeatureConfig(**{**c.__dict__, **FLAGS}))
     draft.set_vocab(torch.arange(0, 512, 8))
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-    write_speculators(draft, tmp_path / "head")
+    write_speculators(draft, path)
+
+
+def test_draftsmith_generate_runs_a_peers_head(tmp_path, capsys):
+    """`draftsmith generate --target T HEAD`: a speculators head with no tokenizer of its own (it is the target's),
+    greedy, prints the target's own greedy continuation; our sampler counts its drafts."""
+    from draftsmith.sampling.generate import main
+
+    _speculators_head_for_tiny_random(tmp_path / "head")
     args = ["--target", "tiny-random", "--prompt", "def f(x):", "--max-new-tokens", "8", "--temperature", "0",
             "--dtype", "fp32", "--json"]
     assert main([str(tmp_path / "head"), *args]) == 0, capsys.readouterr().err
@@ -236,16 +225,8 @@ def test_a_peers_head_is_exported_and_judged_by_deploy_check(tmp_path):
     from draftsmith.deploy.conformance import Setting, check, open_bundle
     from draftsmith.deploy.export import export
     from draftsmith.engines.draftsmith import DraftsmithEngine
-    from draftsmith.sampling.load import load_model as load
 
-    target = load("tiny-random", dtype="fp32")
-    torch.manual_seed(0)
-    c = FeatureConfig.for_target(target.config, draft_vocab_size=64)
-    draft = FeatureDraft(FeatureConfig(**{**c.__dict__, **FLAGS}))
-    draft.set_vocab(torch.arange(0, 512, 8))
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-    write_speculators(draft, tmp_path / "head")
+    _speculators_head_for_tiny_random(tmp_path / "head")
     out = export(tmp_path / "head", tmp_path / "bundle", target_arg="tiny-random", n_prompts=1, max_new_tokens=6,
                  dtype="fp32", ks=(1, 2))
     cfg = json.loads((out / "draft" / "config.json").read_text())
@@ -303,7 +284,8 @@ def test_our_feature_draft_matches_the_peers_own_module(tmp_path, fmt, flags):
     if fmt == "specforge":
         root = _specforge_path()
         if root is None:
-            pytest.skip("specforge 0.2.0 could not be fetched from PyPI with pip")
+            # PyPI is no optional resource here: the demo target comes from it too (conftest's demo_target fails)
+            pytest.fail(f"{SPECFORGE[0]}=={SPECFORGE[1]} could not be fetched from PyPI with pip: check access to PyPI")
         env.update(PYTHONPATH=str(root), TORCH_COMPILE_DISABLE="1")  # its norms are @torch.compile'd
     worker = os.path.join(os.path.dirname(__file__), "..", "engines", "workers", "eagle3_reference.py")
     res = subprocess.run([str(python_path()), worker, fmt, str(tmp_path), json.dumps(flags)], capture_output=True,
