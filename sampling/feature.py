@@ -84,7 +84,7 @@ class FeatureConfig:
 
     def __post_init__(self):
         layers, L = list(self.feature_layers), self.target_num_hidden_layers
-        if len(set(layers)) != 3 or not all(0 <= i < (L if L is not None else 1 << 30) for i in layers):
+        if len(set(layers)) != 3 or not all(0 <= i and (L is None or i < L) for i in layers):
             raise DraftsmithError(f"feature_layers must be 3 distinct layer ids of the target in [0, {L}), got "
                                   f"{layers}")
         if self.norm_before_fc and self.fc_norm:
