@@ -355,10 +355,11 @@ class FeatureDraft(nn.Module):
         vllm = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "tie_word_embeddings": False,
                 "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
                 "draft_vocab_size": self.lm_head.weight.shape[0],
-                # top level: where upstream vLLM reads them (nested: where SGLang reads them); without them vLLM
-                # silently falls back to its default layers and serves a draft trained on others wrongly
+                # top level: where vLLM and llama.cpp read them; without them vLLM silently falls back to its
+                # default layers and serves a draft trained on others wrongly. Nested: where SGLang reads them, in
+                # its own numbering (`sglang_layer_ids`)
                 "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(c.feature_layers),
                                  "use_aux_hidden_state": True},
                 "torch_dtype": str(self.dtype).removeprefix("torch.")}
         return {**ours, **vllm}
@@ -379,6 +380,27 @@ class FeatureDraft(nn.Module):
         check_vocab_map(state, model.lm_head.weight.shape[0], model.config.vocab_size, path)
         model.load_state_dict(state)
         return model.to(dtype).eval()
+
+
+def sglang_layer_ids(layers) -> list[int]:
+    """Our layer ids (vLLM's and llama.cpp's: id i = the state entering target layer i) as SGLang reads them from
+    `eagle_config`. SGLang, and SpecForge which writes them, number the output of layer i as i (our i + 1), and
+    SGLang adds the 1 back when it serves; since its PR #25454 (May 2026) only where the first id is 1, reading
+    other lists unshifted. Written shifted where the first id becomes 1 (EAGLE-3's default [2, L/2, L-3], read
+    right by every SGLang) or would be 0 (our 1: neither form is read right by SGLang from that PR on), else as
+    ours (read right by SGLang from that PR on, one layer off before it: `sglang_layer_note` says so)."""
+    layers = list(layers)
+    return [i - 1 for i in layers] if layers[0] in (1, 2) else layers
+
+
+def sglang_layer_note(layers) -> str:
+    """"" where every SGLang serves the head on the layers it was trained on, else one line saying which does."""
+    first = list(layers)[0]
+    if first == 2:
+        return ""
+    which = "only before its PR #25454 (May 2026)" if first == 1 else "only from its PR #25454 (May 2026) on"
+    return (f"SGLang reads this head's layer ids as trained {which}: it guesses their numbering from the first id, "
+            f"and this head's first layer is {first}, not EAGLE-3's default 2.")
 
 
 def is_feature_draft(model) -> bool:

@@ -214,13 +214,12 @@ def test_save_load_roundtrip(pair, tmp_path):
     target, draft = pair
     draft.save_pretrained(tmp_path / "d")
     again = FeatureDraft.from_pretrained(tmp_path / "d")
-    # the layer ids where vLLM reads them (top level) and where SGLang does (eagle_config): a draft trained on
-    # other layers than vLLM's defaults must not be served with those
+    # the layer ids where vLLM reads them (top level): a draft trained on other layers than vLLM's defaults must
+    # not be served with those (SGLang's copy: test_sglang_reads_the_layers_the_head_was_trained_on)
     import json
 
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
-        == list(draft.feature_layers)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(draft.feature_layers)
     ids = torch.tensor([[1, 3, 2, 4]])
     a = speculative_generate(target, draft, ids, max_new_tokens=6, temperature=0)
     b = speculative_generate(target, again, ids, max_new_tokens=6, temperature=0)
@@ -228,3 +227,43 @@ def test_save_load_roundtrip(pair, tmp_path):
     (tmp_path / "d" / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(ValueError, match="not a readable feature draft"):
         FeatureDraft.from_pretrained(tmp_path / "d")
+
+
+def sglang_captures(ids: list[int], since_25454: bool) -> list[int]:
+    """The target layer whose entering state SGLang feeds the head for `eagle_config` ids, as its
+    `set_eagle3_layers_to_capture` does: always shifted by one before its PR #25454, since then only where the
+    first id is 1."""
+    return [i + 1 for i in ids] if ids[0] == 1 or not since_25454 else list(ids)
+
+
+@pytest.mark.parametrize("layers, served_by", [(None, [False, True]), ([0, 14, 29], [True]), ([5, 14, 27], [True]),
+                                               ([1, 14, 27], [False])])
+def test_sglang_reads_the_layers_the_head_was_trained_on(tmp_path, layers, served_by):
+    """SGLang (and SpecForge, which writes its configs) numbers layer outputs, one below ours: EAGLE-3's default
+    head on a 30-layer target is written as SpecForge's own default [1, L//2-1, L-4], read right by SGLang before
+    and after it changed its rule, and read back by our SpecForge loader as trained; a head on other layers is
+    read right by one of them, which the card names."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from draftsmith.sampling.feature import FeatureConfig, sglang_layer_note
+    from draftsmith.sampling.peers import load_feature
+
+    tc = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=30)
+    draft = FeatureDraft(FeatureConfig.for_target(tc, feature_layers=layers))
+    draft.save_pretrained(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    nested = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert [v for v in (False, True) if sglang_captures(nested, v) == draft.feature_layers] == served_by
+    note = sglang_layer_note(draft.feature_layers)
+    if layers is None:
+        assert nested == [1, 30 // 2 - 1, 30 - 4] and note == ""
+        specforge = {k: v for k, v in cfg.items() if k not in ("draftsmith_kind", "feature_layers",
+                                                                 "eagle_aux_hidden_state_layer_ids")}
+        (tmp_path / "d" / "config.json").write_text(json.dumps(specforge))
+        assert load_feature(tmp_path / "d").feature_layers == draft.feature_layers
+    else:
+        assert f"first layer is {layers[0]}" in note
+        assert ("from its PR #25454" in note) == (served_by == [True])
