@@ -34,7 +34,7 @@ from draftsmith.engines import ENGINES
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.feature import is_feature_draft, sglang_layer_note
+from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import ALIASES, DTYPE_CHOICES, load_model, load_tokenizer, resolve, tokenizer_mismatches
 from draftsmith.sampling.machine import default_device, device_of
 from draftsmith.sampling.precision import describe_run, device_name, run_info
@@ -256,7 +256,7 @@ SGLang (`{SGLANG_CONFIG}`):
 ```bash
 python -m sglang.launch_server --model-path "$TARGET" {sglang_flags(sglang_config(True, k))}
 ```
-{sglang_layer_note(spec['feature_layers'])}"""
+"""
 
 
 def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_sets=("code", "english"), n_prompts=8,

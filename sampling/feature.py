@@ -384,23 +384,10 @@ class FeatureDraft(nn.Module):
 
 def sglang_layer_ids(layers) -> list[int]:
     """Our layer ids (vLLM's and llama.cpp's: id i = the state entering target layer i) as SGLang reads them from
-    `eagle_config`. SGLang, and SpecForge which writes them, number the output of layer i as i (our i + 1), and
-    SGLang adds the 1 back when it serves; since its PR #25454 (May 2026) only where the first id is 1, reading
-    other lists unshifted. Written shifted where the first id becomes 1 (EAGLE-3's default [2, L/2, L-3], read
-    right by every SGLang) or would be 0 (our 1: neither form is read right by SGLang from that PR on), else as
-    ours (read right by SGLang from that PR on, one layer off before it: `sglang_layer_note` says so)."""
-    layers = list(layers)
-    return [i - 1 for i in layers] if layers[0] in (1, 2) else layers
-
-
-def sglang_layer_note(layers) -> str:
-    """"" where every SGLang serves the head on the layers it was trained on, else one line saying which does."""
-    first = list(layers)[0]
-    if first == 2:
-        return ""
-    which = "only before its PR #25454 (May 2026)" if first == 1 else "only from its PR #25454 (May 2026) on"
-    return (f"SGLang reads this head's layer ids as trained {which}: it guesses their numbering from the first id, "
-            f"and this head's first layer is {first}, not EAGLE-3's default 2.")
+    `eagle_config`: SGLang, and SpecForge which writes them, number the output of layer i as i (our i + 1), and
+    SGLang's Llama, Qwen and most other targets add the 1 back when they capture (`set_eagle3_layers_to_capture`,
+    sglang 0.5.23). Our 0, the embedding, is their -1."""
+    return [i - 1 for i in layers]
 
 
 def is_feature_draft(model) -> bool:

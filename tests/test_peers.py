@@ -304,3 +304,87 @@ def test_our_feature_draft_matches_the_peers_own_module(tmp_path, fmt, flags):
     assert torch.equal(draft.token_ids(), torch.arange(len(draft.d2t)) + load_file(
         str(tmp_path / "head" / "model.safetensors"))["d2t"])
     assert max(diffs) < 1e-4
+
+
+def _vllm_sized_target(path):
+    """A tiny random Llama that vLLM's CPU build serves (head size 64, its attention kernels' smallest common one),
+    saved where vLLM reads it; 6 layers, so the head reads three of them, none the embedding."""
+    target = tiny_llama(vocab=256, layers=6, hidden=128, heads=2, seed=0, logit_scale=4.0)
+    target.config.architectures = ["LlamaForCausalLM"]
+    target.save_pretrained(path, safe_serialization=True)
+    return target
+
+
+def _vllm_sized_head(target, **flags):
+    """A random feature head on layers [1, 3, 5] with a scattered 96-token head (d2t offsets all nonzero), norms
+    away from 1 and an O(1) fc, so a misread layer, norm or row shows in the logits."""
+    torch.manual_seed(2)
+    c = FeatureConfig.for_target(target.config, feature_layers=[1, 3, 5], draft_vocab_size=96)
+    d = FeatureDraft(FeatureConfig(**{**c.__dict__, **flags}))
+    d.set_vocab(torch.randperm(255)[:96].sort().values + 1)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+        d.fc.weight.mul_(8.0)
+        d.lm_head.weight.mul_(4.0)
+        d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    return d.eval().requires_grad_(False)
+
+
+def _our_two_steps(target, draft, prompt: list[int], t1: int, d1: int) -> list[torch.Tensor]:
+    """Our head's logits over its tokens for the two drafts after prompt + t1 (the second after d1), computed as
+    training does (`unroll`, FeatureDist's slots) from the HF target's features."""
+    from draftsmith.sampling.feature import FeatureTap
+
+    with torch.no_grad(), FeatureTap(target, draft.feature_layers) as tap:
+        target(input_ids=torch.tensor([prompt]))
+        feats = tap.take()
+        feats = torch.cat([feats, feats.new_zeros(1, 1, feats.shape[-1])], 1)  # slot of d1: never attended
+        outs = draft.unroll(torch.tensor([prompt[1:] + [t1, d1]]), feats, steps=2)
+        e = len(prompt) - 1
+        return [draft.head(outs[s][:, e + s: e + s + 1]).sub_logits[0, 0] for s in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,flags", [("ours", {}), ("speculators", FLAGS)], ids=["ours", "speculators-0.9-defaults"])
+def test_our_feature_draft_drafts_what_vllms_eagle3_model_does(tmp_path, fmt, flags):
+    """vLLM's own EAGLE-3 model, inside its engine (`engines/workers/vllm_eagle3_logits.py`), and ours, each fed its
+    own engine's target features (vLLM's CPU build and transformers, fp32): the same logits over the head's tokens
+    for the first two drafts after each prompt, -inf elsewhere; in our format and in speculators' with its norm
+    flags on."""
+    from draftsmith.engines.vllm import _clean_env
+    from draftsmith.engines.vllm import missing as vllm_missing
+    from draftsmith.engines.vllm import python_path
+    from helpers import missing_resource
+
+    if vllm_missing():
+        missing_resource("vllm", vllm_missing())
+    target = _vllm_sized_target(tmp_path / "target")
+    draft = _vllm_sized_head(target, **flags)
+    (draft.save_pretrained if fmt == "ours" else lambda p: write_speculators(draft, p))(tmp_path / "head")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 11, 23)]
+    request = {"target": str(tmp_path / "target"), "head": str(tmp_path / "head"), "prompts": prompts, "k": 2,
+               "max_model_len": 128}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    worker = os.path.join(os.path.dirname(__file__), "..", "engines", "workers", "vllm_eagle3_logits.py")
+    res = subprocess.run([str(python_path()), worker, str(tmp_path / "request.json"), str(tmp_path / "out.st")],
+                         capture_output=True, text=True, env=_clean_env(), timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = load_file(str(tmp_path / "out.st"))
+    ids = draft.token_ids()
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[ids] = False
+    diffs, scale = [], 0.0
+    for i, prompt in enumerate(prompts):
+        theirs = got["logits"][i]
+        assert torch.isinf(theirs[:, outside]).all() and (theirs[:, outside] < 0).all()
+        d1 = int(theirs[0].argmax())
+        ours = _our_two_steps(target, draft, prompt, int(got["t1"][i]), d1)
+        assert int(ids[ours[0].argmax()]) == d1
+        for s in range(2):
+            diffs.append(float((ours[s] - theirs[s, ids]).abs().max()))
+            scale = max(scale, float(ours[s].abs().max()))
+    print(f"{fmt}: max |logit diff| {max(diffs):.2e} over {len(diffs)} drafts (logits up to {scale:.1f})")
+    assert max(diffs) < 1e-3 * scale
