@@ -191,3 +191,24 @@ def missing_resource(resource: str, why: str) -> None:
     if required(resource):
         pytest.fail(f"{resource} is required here (DRAFTSMITH_REQUIRE) but missing: {why}")
     pytest.skip(f"{resource}: {why}")
+
+
+def pypi_wheel(name: str, version: str) -> Path:
+    """A peer's wheel from PyPI, fetched once with pip (no dependencies) into draftsmith's cache; fails, naming
+    PyPI, where pip cannot reach it: PyPI is no optional resource here, the demo target comes from it too."""
+    import subprocess
+    import sys
+
+    from draftsmith.sampling.machine import cache_home
+
+    wheels = cache_home() / "wheels"
+    found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{name}=={version}",
+                              "-d", str(wheels)], capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
+        if res.returncode or not found:
+            pytest.fail(f"{name}=={version} could not be fetched from PyPI with pip: check access to PyPI "
+                        f"({res.stderr.strip()[-300:]})")
+    return found[-1]

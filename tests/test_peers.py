@@ -10,7 +10,6 @@ computes the logits, in vLLM's venv (`engines/workers/eagle3_reference.py`), and
 import json
 import os
 import subprocess
-import sys
 import zipfile
 
 import pytest
@@ -242,23 +241,15 @@ SPECFORGE = ("specforge", "0.2.0")
 
 
 def _specforge_path():
-    """SpecForge's wheel, unpacked (its draft model file imports without its sglang pin): fetched once from PyPI
-    with pip, as the demo target's wheel is. None where pip cannot reach it."""
+    """SpecForge's wheel, unpacked (its draft model file imports without its sglang pin)."""
     from draftsmith.sampling.machine import cache_home
+    from helpers import pypi_wheel
 
     name, version = SPECFORGE
     root = cache_home() / "peers" / f"{name}-{version}"
-    if (root / name / "__init__.py").is_file():
-        return root
-    wheels = cache_home() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{name}=={version}", "-d",
-                          str(wheels)], capture_output=True, text=True)
-    found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
-    if res.returncode or not found:
-        return None
-    with zipfile.ZipFile(found[-1]) as z:
-        z.extractall(root)
+    if not (root / name / "__init__.py").is_file():
+        with zipfile.ZipFile(pypi_wheel(name, version)) as z:
+            z.extractall(root)
     return root
 
 
@@ -283,9 +274,6 @@ def test_our_feature_draft_matches_the_peers_own_module(tmp_path, fmt, flags):
     env = _clean_env()
     if fmt == "specforge":
         root = _specforge_path()
-        if root is None:
-            # PyPI is no optional resource here: the demo target comes from it too (conftest's demo_target fails)
-            pytest.fail(f"{SPECFORGE[0]}=={SPECFORGE[1]} could not be fetched from PyPI with pip: check access to PyPI")
         env.update(PYTHONPATH=str(root), TORCH_COMPILE_DISABLE="1")  # its norms are @torch.compile'd
     worker = os.path.join(os.path.dirname(__file__), "..", "engines", "workers", "eagle3_reference.py")
     res = subprocess.run([str(python_path()), worker, fmt, str(tmp_path), json.dumps(flags)], capture_output=True,

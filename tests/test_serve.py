@@ -123,6 +123,39 @@ def test_sglang_configs_for_both_draft_kinds(self_bundle):
     assert verifier_name("smollm2-135m", True) == "target"
 
 
+SGLANG = ("sglang", "0.5.23")
+
+
+@pytest.mark.slow
+def test_sglang_configs_and_layer_ids_match_sglangs_own_source():
+    """SGLang does not run here (its wheels need CUDA), so its own source, from its PyPI wheel, judges what we
+    write for it: every key of both kinds' configs is a field of its `spec` arguments, both algorithms are its
+    own, and its Llama target adds 1 to every `eagle_config` layer id, the rule `sglang_layer_ids` inverts."""
+    import ast
+    import zipfile
+
+    from draftsmith.deploy.export import sglang_config
+    from draftsmith.sampling.feature import sglang_layer_ids
+    from helpers import pypi_wheel
+    from test_feature import sglang_captures
+
+    with zipfile.ZipFile(pypi_wheel(*SGLANG)) as z:
+        spec, algos, llama = (ast.parse(z.read(f"sglang/srt/{f}.py")) for f in
+                              ("arg_groups/fields/spec", "speculative/spec_info", "models/llama"))
+    fields = {n.target.id for c in spec.body if isinstance(c, ast.ClassDef) and c.name == "Spec"
+              for n in c.body if isinstance(n, ast.AnnAssign)}
+    members = {n.targets[0].id for c in algos.body if isinstance(c, ast.ClassDef) and c.name == "SpeculativeAlgorithm"
+               for n in c.body if isinstance(n, ast.Assign)}
+    (capture,) = [f for c in llama.body if isinstance(c, ast.ClassDef) and c.name == "LlamaForCausalLM"
+                  for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture"]
+    for feature in (False, True):
+        cfg = sglang_config(feature, 3)
+        assert set(cfg) <= fields, set(cfg) - fields
+        assert cfg["speculative_algorithm"] in members
+    assert "[val + 1 for val in layer_ids]" in ast.unparse(capture)  # what sglang_captures models
+    assert sglang_captures(sglang_layer_ids([0, 14, 29])) == [0, 14, 29]
+
+
 def test_a_feature_bundle_keeps_its_d2t_map_and_names_its_verifier_relative(tmp_path):
     """vLLM maps a pruned EAGLE-3 head's ids through `d2t` and, where a checkpoint lacks it, silently maps them as
     if the head were the vocabulary's first ids: the exported weights must keep it, right. The head here holds the
