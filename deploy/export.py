@@ -172,6 +172,12 @@ def acceptance_rows(spec: dict) -> str:
                      for d, r in spec["acceptance"].items())
 
 
+def engine_k(spec: dict, engine: str) -> int:
+    """The K an engine's config or command carries: the fastest measured there (`export --engines`), else the
+    recommended one."""
+    return (spec.get("engine_k") or {}).get(engine, {}).get("best_k", spec["recommended_k"])
+
+
 def model_card(name: str, target_name: str, spec: dict, hub_id: str | None = None, copied: bool = False) -> str:
     k = spec["recommended_k"]
     s = spec["sampling"]
@@ -201,7 +207,7 @@ settings above: other temperatures give other rates.
 ## Use
 {target_note(target_name, hub_id, copied)}
 
-transformers (assisted generation; `draft/generation_config.json` fixes K={k}, constant):
+transformers (assisted generation; `draft/generation_config.json` fixes K={engine_k(spec, 'transformers')}, constant):
 ```python
 import os
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -222,7 +228,7 @@ python -m sglang.launch_server --model-path "$TARGET" {sglang}
 ```
 draftsmith's sampler:
 ```bash
-draftsmith generate draft --target "$TARGET" -k {k} \\
+draftsmith generate draft --target "$TARGET" -k {engine_k(spec, 'draftsmith')} \\
     --temperature {s['temperature']} --top-p {s['top_p']}{generate_flags(spec)} --prompt "def f(x):"
 ```
 """
@@ -245,7 +251,7 @@ and a speculators eagle3 config, whose verifier is `{verifier_name(target_name, 
 
 draftsmith's sampler (exact, Chen et al. 2023, Algorithm 2):
 ```bash
-draftsmith generate draft --target "$TARGET" -k {k} \\
+draftsmith generate draft --target "$TARGET" -k {engine_k(spec, 'draftsmith')} \\
     --temperature {s['temperature']} --top-p {s['top_p']}{generate_flags(spec)} --prompt "def f(x):"
 ```
 vLLM (`vllm_speculative_config.json`):

@@ -212,3 +212,15 @@ def test_a_chat_trained_draft_s_card_applies_the_template(tmp_path, thinking, fl
     assert trained_chat(run) is None
     plain = model_card("pair", "t", _card_spec(None))
     assert "--chat" not in plain and "chat template (data=chat" not in plain and "apply_chat_template" not in plain
+
+
+def test_the_cards_commands_carry_the_k_each_engine_was_measured_fastest_at():
+    """`export --engines` writes each engine's fastest K into its config; the card's commands must say the same K,
+    not the recommended one (first seen: `generation_config.json` held K 2 while the card said it fixes K 1)."""
+    from draftsmith.deploy.export import feature_card, model_card
+
+    spec = _card_spec(None)
+    assert "fixes K=3," in model_card("pair", "t", spec) and "-k 3 " in feature_card("pair", "t", spec)
+    spec["engine_k"] = {"transformers": {"best_k": 2}, "draftsmith": {"best_k": 4}}
+    card = model_card("pair", "t", spec)
+    assert "fixes K=2," in card and "-k 4 " in card and "-k 4 " in feature_card("pair", "t", spec)
