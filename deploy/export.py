@@ -31,6 +31,7 @@ import yaml
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
 from draftsmith.engines import ENGINES
+from draftsmith.engines.base import engine_k
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
@@ -170,12 +171,6 @@ def acceptance_rows(spec: dict) -> str:
     return "\n".join(f"| {d} | {r['tokens_per_call']:.2f} | {r['alpha']:.3f} | {r['alpha_analytic']:.3f} | "
                      + " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_by_position") or []) + " |"
                      for d, r in spec["acceptance"].items())
-
-
-def engine_k(spec: dict, engine: str) -> int:
-    """The K an engine's config or command carries: the fastest measured there (`export --engines`), else the
-    recommended one."""
-    return (spec.get("engine_k") or {}).get(engine, {}).get("best_k", spec["recommended_k"])
 
 
 def model_card(name: str, target_name: str, spec: dict, hub_id: str | None = None, copied: bool = False) -> str:

@@ -10,6 +10,12 @@ from draftsmith.sampling.load import load_model
 from draftsmith.sampling.pruned import split_head
 
 
+def engine_k(spec: dict, engine: str) -> int:
+    """The K a bundle gives an engine: the fastest measured in it (`export --engines`, also written into its
+    config), else the bundle's recommended K."""
+    return int((spec.get("engine_k") or {}).get(engine, {}).get("best_k", spec["recommended_k"]))
+
+
 @dataclass
 class Job:
     prompts: list[list[int]]  # token ids, BOS included where the tokenizer adds one
@@ -67,5 +73,5 @@ class InProcess(Engine):
         self.draft = load_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
         if not self.pruned_head:
             self.draft = split_head(self.draft)[0]
-        self.k = int(bundle.spec["recommended_k"])
+        self.k = engine_k(bundle.spec, self.name)
         self.eos = self.target.generation_config.eos_token_id

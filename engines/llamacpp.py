@@ -139,7 +139,7 @@ class LlamaCppEngine(Engine):
             raise DraftsmithError(why)
         self.server = home() / "bin" / "llama-server"
         self.converter = home() / "src" / "convert_hf_to_gguf.py"
-        self.k = int(bundle.spec["recommended_k"])
+        self.k = engine_k(bundle.spec, self.name)
         from draftsmith.sampling.feature import is_feature_dir
 
         self.eagle3 = is_feature_dir(bundle.draft_dir)

@@ -57,6 +57,22 @@ def test_serve_counts_tau_in_our_sampler_and_in_transformers(self_bundle, tmp_pa
         assert "acceptance length tau" in text and serve.SOURCE[engine] in text
 
 
+def test_each_engine_runs_at_the_k_the_bundle_measured_fastest_there(self_bundle):
+    """`export --engines` records each engine's fastest K (and writes it into vLLM's and transformers' configs):
+    the engines, and so `bench serve` and `deploy-check`, run at that K by default, the recommended K elsewhere
+    (first seen: bench serve ran transformers at the recommended K 1 while its config held the measured 2)."""
+    from draftsmith.deploy.bundle import Bundle, open_bundle
+    from draftsmith.engines.base import engine_k
+    from draftsmith.engines.draftsmith import DraftsmithEngine
+    from draftsmith.engines.transformers import TransformersEngine
+
+    b = open_bundle(self_bundle)
+    measured = Bundle(b.path, {**b.spec, "recommended_k": 1, "engine_k": {"draftsmith": {"best_k": 3}}},
+                      b.target_dir, b.draft_dir)
+    assert DraftsmithEngine(measured).k == 3 and TransformersEngine(measured).k == 1
+    assert engine_k(measured.spec, "draftsmith") == 3 and engine_k(measured.spec, "vllm") == 1
+
+
 def test_tau_is_read_from_each_engines_counters():
     """vLLM: 1 + accepted / drafts, per position over drafts; llama.cpp: its totals, tokens / (tokens - accepted)."""
     out = Output([[[1] * 30]], 1.0, drafted=40, accepted=20,

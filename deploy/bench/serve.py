@@ -32,7 +32,7 @@ from pathlib import Path
 
 from draftsmith.deploy.bench.sets import SETS, load_set, second_turns, turn_two
 from draftsmith.deploy.bundle import open_bundle
-from draftsmith.engines.base import Job
+from draftsmith.engines.base import Job, engine_k
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import load_tokenizer
@@ -238,7 +238,8 @@ def main(argv=None, prog=None) -> int:
                     help=f"sets ({', '.join(SETS)}) or .jsonl files (default: %(default)s)")
     ap.add_argument("--n-prompts", type=int, default=20, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("-k", "--k", type=int, default=None, help="draft tokens per step (default: the bundle's)")
+    ap.add_argument("-k", "--k", type=int, default=None, help="draft tokens per step (default: the bundle's for this engine: the "
+                    "fastest measured there by export --engines, else its recommended K)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=None,
                     help="0 is greedy (default: 0 and the bundle's temperature)")
     ap.add_argument("--top-p", type=float, default=None, help="at T > 0 (default: the bundle's)")
@@ -255,7 +256,7 @@ def main(argv=None, prog=None) -> int:
         s = bundle.spec.get("sampling", {})
         temps = args.temperatures if args.temperatures is not None else [0.0, float(s.get("temperature", 0.8))]
         top_p = args.top_p if args.top_p is not None else float(s.get("top_p", 1.0))
-        k = args.k or int(bundle.spec["recommended_k"])
+        k = args.k or engine_k(bundle.spec, args.engine)
         if k < 1 or any(t < 0 for t in temps) or not 0 < top_p <= 1:
             raise DraftsmithError(f"need K >= 1, T >= 0 and 0 < top-p <= 1; got K={k}, T={temps}, top-p={top_p}")
         batches = list(dict.fromkeys(args.batch))
