@@ -16,14 +16,12 @@ import pytest
 import torch
 from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
-from test_feature import FeatureDist, loop_matches_unroll
+from test_feature import loop_matches_unroll
 
-import draftsmith.sampling.speculative as speculative
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import FeatureConfig, FeatureDraft
 from draftsmith.sampling.load import load_model
-from draftsmith.sampling.probs import SamplingConfig
 
 V = 16
 HEAD = [1, 2, 5, 7, 8, 11, 13, 15]  # a pruned head whose rows are not the first ids: d2t is not zero
