@@ -51,9 +51,11 @@ def test_fsdp_on_two_processes_makes_one_unit_per_layer_and_shards_each(tmp_path
     """Real FSDP with the recipe's strategy on 2 gloo processes, the embeddings frozen (draft.freeze_embeddings):
     one unit per decoder layer and the root, half of the parameters on each rank, three steps that lower the loss
     and leave the frozen embeddings as they were."""
+    from test_launch import free_port
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          "29652", str(TESTS / "fsdp_worker.py"), str(tmp_path), "frozen"], capture_output=True,
+                          str(free_port()), str(TESTS / "fsdp_worker.py"), str(tmp_path), "frozen"], capture_output=True,
                          text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
