@@ -32,7 +32,7 @@ import torch
 from scipy import stats
 
 from draftsmith.deploy.bundle import Bundle, open_bundle, write_card
-from draftsmith.sampling.cli import examples
+from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
@@ -165,7 +165,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     return {"engine": engine.name, "version": engine.version(), "precision": getattr(engine, "precision", "fp32"),
             "verdict":
             "pass" if all(r["verdict"] == "pass" for r in results.values()) else "fail",
-            "k": bundle.spec.get("recommended_k"), "draws": draws, "level": level,
+            "k": engine_k(bundle.spec, engine.name), "draws": draws, "level": level,
             "date": datetime.date.today().isoformat(), "machine": machine(), "settings": results}
 
 

@@ -31,8 +31,7 @@ import yaml
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
 from draftsmith.engines import ENGINES
-from draftsmith.engines.base import engine_k
-from draftsmith.sampling.cli import examples
+from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft

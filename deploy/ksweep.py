@@ -3,7 +3,8 @@ c and v(K) measured in our sampler; each engine has its own costs, so each one s
 K = 1..4 (plain once, then speculative at each K, in one run), and the K that ran fastest there is written into
 that engine's config, labelled with the temperature it was measured at:
 
-- vllm: `vllm_speculative_config.json` `num_speculative_tokens`;
+- vllm: `vllm_speculative_config.json` `num_speculative_tokens`, and a feature draft's speculators proposal K in
+  `draft/config.json` (what `vllm serve BUNDLE/draft` reads);
 - transformers: `draft/generation_config.json` `num_assistant_tokens`;
 - draftsmith, llamacpp: the card (`engine_k` in speculative.json; llama-server takes it as --spec-draft-n-max).
 
@@ -56,6 +57,12 @@ def write_engine_k(folder: Path, results: dict) -> None:
         cfg = json.loads(path.read_text())
         cfg["num_speculative_tokens"] = results["vllm"]["best_k"]
         path.write_text(json.dumps(cfg, indent=2))
+        draft = folder / "draft" / "config.json"
+        spec = json.loads(draft.read_text()) if draft.is_file() else {}
+        if spec.get("speculators_config"):  # a feature draft: `vllm serve BUNDLE/draft` takes its K from here
+            for method in spec["speculators_config"]["proposal_methods"]:
+                method["speculative_tokens"] = results["vllm"]["best_k"]
+            draft.write_text(json.dumps(spec, indent=2) + "\n")
     gen = folder / "draft" / "generation_config.json"
     if "transformers" in results and gen.is_file():
         cfg = json.loads(gen.read_text())

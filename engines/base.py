@@ -6,14 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.sampling.cli import engine_k
 from draftsmith.sampling.load import load_model
 from draftsmith.sampling.pruned import split_head
-
-
-def engine_k(spec: dict, engine: str) -> int:
-    """The K a bundle gives an engine: the fastest measured in it (`export --engines`, also written into its
-    config), else the bundle's recommended K."""
-    return int((spec.get("engine_k") or {}).get(engine, {}).get("best_k", spec["recommended_k"]))
 
 
 @dataclass

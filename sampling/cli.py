@@ -32,6 +32,12 @@ class Draft:
     source: str = "checkpoint"  # bundle | run | checkpoint
 
 
+def engine_k(spec: dict, engine: str) -> int:
+    """The K a bundle gives an engine: the fastest measured in it (`export --engines`, also written into its
+    config), else the bundle's recommended K."""
+    return int((spec.get("engine_k") or {}).get(engine, {}).get("best_k", spec["recommended_k"]))
+
+
 def locate_draft(path: str) -> Draft:
     """A bundle, a run directory or a draft checkpoint, as a `Draft`; anything else is left to the model loader,
     which names what is wrong with it."""
@@ -40,7 +46,7 @@ def locate_draft(path: str) -> Draft:
         spec, ref = (_json(p / name) for name in ("speculative.json", "target.json"))
         # the copy inside the bundle, else the name it was exported with (bundles before they travelled: a folder)
         target = str(p / "target") if ref.get("path") == "target" else ref.get("path") or ref.get("name")
-        return Draft(str(p / "draft"), target, spec.get("recommended_k"), spec.get("sampling") or {},
+        return Draft(str(p / "draft"), target, engine_k(spec, "draftsmith"), spec.get("sampling") or {},
                      spec.get("alpha"), "bundle")
     if (p / "best_draft").is_dir():
         cfg = _run_config(p)

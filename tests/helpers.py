@@ -205,8 +205,10 @@ def pypi_wheel(name: str, version: str) -> Path:
     found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{name}=={version}",
-                              "-d", str(wheels)], capture_output=True, text=True)
+        # the wheel for Python 3.11 whatever runs the tests (sglang's needs >= 3.11; only its source is read)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:",
+                              "--python-version", "3.11", f"{name}=={version}", "-d", str(wheels)],
+                             capture_output=True, text=True)
         found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
         if res.returncode or not found:
             pytest.fail(f"{name}=={version} could not be fetched from PyPI with pip: check access to PyPI "

@@ -4,7 +4,8 @@ and the d2t guard: a pruned head without its map is refused in one line.
 Fast: each format written by hand from one of our drafts (their names and numbering, as the formats publish them)
 loads back to the same logits and samples exactly; the sampler's cached loop computes what `unroll` does with
 speculators' layer variants on; the refusals. Slow (`-m slow`): the peers' own code builds the checkpoints and
-computes the logits, in vLLM's venv (`engines/workers/eagle3_reference.py`), and ours must match them.
+computes the logits, in vLLM's venv (`engines/workers/eagle3_reference.py`), and ours must match them; vLLM's own
+EAGLE-3 model drafts inside its engine (`engines/workers/vllm_eagle3_logits.py`) what ours does.
 """
 
 import json
@@ -314,6 +315,8 @@ def _vllm_sized_head(target, **flags):
                 p.copy_(1 + 0.3 * torch.randn(p.shape))
         d.fc.weight.mul_(8.0)
         d.lm_head.weight.mul_(4.0)
+        # the target's own embedding, as training leaves it: vLLM shares the target's where a head's equals it, so
+        # the test holds whichever vLLM uses (and cannot tell which)
         d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     return d.eval().requires_grad_(False)
 

@@ -62,7 +62,7 @@ def test_each_engine_runs_at_the_k_the_bundle_measured_fastest_there(self_bundle
     the engines, and so `bench serve` and `deploy-check`, run at that K by default, the recommended K elsewhere
     (first seen: bench serve ran transformers at the recommended K 1 while its config held the measured 2)."""
     from draftsmith.deploy.bundle import Bundle, open_bundle
-    from draftsmith.engines.base import engine_k
+    from draftsmith.sampling.cli import engine_k
     from draftsmith.engines.draftsmith import DraftsmithEngine
     from draftsmith.engines.transformers import TransformersEngine
 
@@ -71,6 +71,23 @@ def test_each_engine_runs_at_the_k_the_bundle_measured_fastest_there(self_bundle
                       b.target_dir, b.draft_dir)
     assert DraftsmithEngine(measured).k == 3 and TransformersEngine(measured).k == 1
     assert engine_k(measured.spec, "draftsmith") == 3 and engine_k(measured.spec, "vllm") == 1
+
+
+def test_vllms_measured_k_reaches_both_configs_vllm_reads(tmp_path):
+    """A feature bundle is served by `vllm serve "$TARGET" --speculative-config ...` and by `vllm serve BUNDLE/draft`
+    (its speculators config): both must carry the K measured fastest in vLLM."""
+    from draftsmith.deploy.ksweep import write_engine_k
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "vllm_speculative_config.json").write_text(json.dumps({"method": "eagle3", "model": "draft",
+                                                                       "num_speculative_tokens": 1}))
+    cfg = {"speculators_model_type": "eagle3", "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+        {"proposal_type": "greedy", "speculative_tokens": 1}]}}  # as export writes it (speculators_fields)
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    write_engine_k(tmp_path, {"vllm": {"best_k": 3}})
+    assert json.loads((tmp_path / "vllm_speculative_config.json").read_text())["num_speculative_tokens"] == 3
+    spec = json.loads((tmp_path / "draft" / "config.json").read_text())["speculators_config"]
+    assert [m["speculative_tokens"] for m in spec["proposal_methods"]] == [3]
 
 
 def test_tau_is_read_from_each_engines_counters():
@@ -146,14 +163,13 @@ SGLANG = ("sglang", "0.5.23")
 def test_sglang_configs_and_layer_ids_match_sglangs_own_source():
     """SGLang does not run here (its wheels need CUDA), so its own source, from its PyPI wheel, judges what we
     write for it: every key of both kinds' configs is a field of its `spec` arguments, both algorithms are its
-    own, and its Llama target adds 1 to every `eagle_config` layer id, the rule `sglang_layer_ids` inverts."""
+    own, and its Llama target adds 1 to every `eagle_config` layer id and captures the state entering that layer,
+    the rule `sglang_layer_ids` inverts."""
     import ast
     import zipfile
 
     from draftsmith.deploy.export import sglang_config
-    from draftsmith.sampling.feature import sglang_layer_ids
     from helpers import pypi_wheel
-    from test_feature import sglang_captures
 
     with zipfile.ZipFile(pypi_wheel(*SGLANG)) as z:
         spec, algos, llama = (ast.parse(z.read(f"sglang/srt/{f}.py")) for f in
@@ -168,8 +184,14 @@ def test_sglang_configs_and_layer_ids_match_sglangs_own_source():
         cfg = sglang_config(feature, 3)
         assert set(cfg) <= fields, set(cfg) - fields
         assert cfg["speculative_algorithm"] in members
-    assert "[val + 1 for val in layer_ids]" in ast.unparse(capture)  # what sglang_captures models
-    assert sglang_captures(sglang_layer_ids([0, 14, 29])) == [0, 14, 29]
+    # what test_feature's sglang_captures models: every id shifted, no rule on the first id (DeepSeek-V2's)
+    src = ast.unparse(capture)
+    assert "[val + 1 for val in layer_ids]" in src and "layer_ids[0]" not in src, src
+    # and the shifted id is the layer whose entering state is captured: layer i is handed the capture
+    (forward,) = [f for c in llama.body if isinstance(c, ast.ClassDef) and c.name == "LlamaModel"
+                  for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "forward"]
+    assert "self.layers[i](" in ast.unparse(forward)
+    assert "capture_output=aux_hidden_states.capture if i in self.layers_to_capture" in ast.unparse(forward)
 
 
 def test_a_feature_bundle_keeps_its_d2t_map_and_names_its_verifier_relative(tmp_path):

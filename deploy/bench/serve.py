@@ -32,8 +32,8 @@ from pathlib import Path
 
 from draftsmith.deploy.bench.sets import SETS, load_set, second_turns, turn_two
 from draftsmith.deploy.bundle import open_bundle
-from draftsmith.engines.base import Job, engine_k
-from draftsmith.sampling.cli import examples
+from draftsmith.engines.base import Job
+from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import machine, write_json
