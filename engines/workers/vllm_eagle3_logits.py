@@ -16,6 +16,9 @@ import os
 import sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its drafter is reachable
+# a small KV space, as engines/vllm.py gives its workers: the CPU build's default sizes it from the free memory, which
+# a long test session has used up
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def drafter_model(llm):
