@@ -2,8 +2,8 @@
 
 Each verb takes what the one before it made: `train` writes a run directory, `export` turns it into a bundle, and
 `generate`, `bench` and `deploy-check` take either (a bundle's draft, target and K: the one measured fastest in
-that engine by `export --engines`, else the recommended one; a run's best draft and target). argparse subcommands, not Typer: no dependency, and `draftsmith --help` imports nothing heavy (each
-verb imports its module when it runs).
+that engine by `export --engines`, else the recommended one; a run's best draft and target). argparse subcommands,
+not Typer: no dependency, and `draftsmith --help` imports nothing heavy (each verb imports its module when it runs).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def test_fsdp_on_two_processes_makes_one_unit_per_layer_and_shards_each(tmp_path
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), str(TESTS / "fsdp_worker.py"), str(tmp_path), "frozen"], capture_output=True,
-                         text=True, timeout=600, env=env)
+                          str(free_port()), str(TESTS / "fsdp_worker.py"), str(tmp_path), "frozen"],
+                         capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

@@ -29,16 +29,20 @@ HEAD = [1, 2, 5, 7, 8, 11, 13, 15]  # a pruned head whose rows are not the first
 FLAGS = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True)
 
 
-def draft_for(target, seed=1, **flags):
+def draft_for(target, seed=1, layers=(1, 2, 3), head=HEAD, fc_scale=1.0, lm_scale=6.0, **flags):
+    """A random head with norms away from 1 (so a misplaced one shows), a pruned vocabulary `head` and the target's
+    own embedding, as training leaves it (vLLM shares the target's where a head's equals it)."""
     torch.manual_seed(seed)
-    c = FeatureConfig.for_target(target.config, feature_layers=[1, 2, 3], draft_vocab_size=len(HEAD))
+    head = torch.as_tensor(head)
+    c = FeatureConfig.for_target(target.config, feature_layers=list(layers), draft_vocab_size=len(head))
     d = FeatureDraft(FeatureConfig(**{**c.__dict__, **flags}))
-    d.set_vocab(torch.tensor(HEAD))
+    d.set_vocab(head)
     with torch.no_grad():
-        for name, p in d.named_parameters():  # norms away from 1, so a misplaced one shows
+        for name, p in d.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape))
-        d.lm_head.weight.mul_(6.0)
+        d.fc.weight.mul_(fc_scale)
+        d.lm_head.weight.mul_(lm_scale)
         d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     return d.eval().requires_grad_(False)
 
@@ -303,22 +307,10 @@ def _vllm_sized_target(path):
 
 
 def _vllm_sized_head(target, **flags):
-    """A random feature head on layers [1, 3, 5] with a scattered 96-token head (d2t offsets all nonzero), norms
-    away from 1 and an O(1) fc, so a misread layer, norm or row shows in the logits."""
-    torch.manual_seed(2)
-    c = FeatureConfig.for_target(target.config, feature_layers=[1, 3, 5], draft_vocab_size=96)
-    d = FeatureDraft(FeatureConfig(**{**c.__dict__, **flags}))
-    d.set_vocab(torch.randperm(255)[:96].sort().values + 1)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape))
-        d.fc.weight.mul_(8.0)
-        d.lm_head.weight.mul_(4.0)
-        # the target's own embedding, as training leaves it: vLLM shares the target's where a head's equals it, so
-        # the test holds whichever vLLM uses (and cannot tell which)
-        d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-    return d.eval().requires_grad_(False)
+    """A random feature head on layers [1, 3, 5] with a scattered 96-token head (d2t offsets all nonzero) and an O(1)
+    fc, so a misread layer, norm or row shows in the logits (the shared embedding: this test cannot tell which)."""
+    scattered = torch.randperm(255, generator=torch.Generator().manual_seed(2))[:96].sort().values + 1
+    return draft_for(target, seed=2, layers=(1, 3, 5), head=scattered, fc_scale=8.0, lm_scale=4.0, **flags)
 
 
 def _our_two_steps(target, draft, prompt: list[int], t1: int, d1: int) -> list[torch.Tensor]:

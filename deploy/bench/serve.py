@@ -238,8 +238,9 @@ def main(argv=None, prog=None) -> int:
                     help=f"sets ({', '.join(SETS)}) or .jsonl files (default: %(default)s)")
     ap.add_argument("--n-prompts", type=int, default=20, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("-k", "--k", type=int, default=None, help="draft tokens per step (default: the bundle's for this engine: the "
-                    "fastest measured there by export --engines, else its recommended K)")
+    ap.add_argument("-k", "--k", type=int, default=None,
+                    help="draft tokens per step (default: the bundle's for this engine: the fastest measured there "
+                    "by export --engines, else its recommended K)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=None,
                     help="0 is greedy (default: 0 and the bundle's temperature)")
     ap.add_argument("--top-p", type=float, default=None, help="at T > 0 (default: the bundle's)")

@@ -3,12 +3,12 @@ vLLM's venv python:
 
     python engines/workers/vllm_eagle3_logits.py request.json OUT.safetensors
 
-request.json: {"target": DIR, "head": DIR, "prompts": [[ids], ...], "k": 2, "max_model_len": 128}. For each prompt vLLM prefills it,
-picks the target's greedy token t1 and drafts k tokens from the target's features of the prompt and t1; this
-records the drafter's logits at each of those k steps (full vocabulary, -inf outside a pruned head, as vLLM
-computes them), before it samples. OUT holds `logits` (prompts, k, vocab) and `t1` (prompts,). The engine runs in
-this process (no engine-core process), so a wrapper around the drafter's `compute_logits` sees every call; fp32,
-eager. Imports only vLLM, torch and the standard library.
+request.json: {"target": DIR, "head": DIR, "prompts": [[ids], ...], "k": 2, "max_model_len": 128}. For each
+prompt vLLM prefills it, picks the target's greedy token t1 and drafts k tokens from the target's features of the
+prompt and t1; this records the drafter's logits at each of those k steps (full vocabulary, -inf outside a pruned
+head, as vLLM computes them), before it samples. OUT holds `logits` (prompts, k, vocab) and `t1` (prompts,). The
+engine runs in this process (no engine-core process), so a wrapper around the drafter's `compute_logits` sees every
+call; fp32, eager. Imports only vLLM, torch and the standard library.
 """
 
 import json
@@ -52,8 +52,8 @@ def main(request_path: str, out_path: str) -> None:
     for ids in req["prompts"]:
         seen.clear()
         # two tokens: the request lives past its prefill, so the drafter drafts from the prompt and t1 once
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                              use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         if len(seen) < k or any(s.shape[0] != 1 for s in seen[:k]):
             raise SystemExit(f"the drafter computed logits {[tuple(s.shape) for s in seen]}; expected {k} calls of "
                              "one row after the prefill (another vLLM version?)")
