@@ -30,18 +30,18 @@ import yaml
 
 from draftsmith.deploy.bundle import bundle_hashes, files_sha256
 from draftsmith.deploy.plots import CARD_PLOT, card_plot
+from draftsmith.drafts.evaluate import acceptance_by_set
+from draftsmith.drafts.saved import draft_from_checkpoint, save_draft
 from draftsmith.engines import ENGINES
 from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.load import ALIASES, DTYPE_CHOICES, load_model, load_tokenizer, resolve, tokenizer_mismatches
-from draftsmith.sampling.machine import default_device, device_of
+from draftsmith.sampling.machine import default_device, device_of, wandb_mode
 from draftsmith.sampling.precision import describe_run, device_name, run_info
-from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
-from draftsmith.train.evaluate import acceptance_by_set
-from draftsmith.train.saved import draft_from_checkpoint, save_draft
+from draftsmith.sampling.stats import TAU
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -469,10 +469,8 @@ def log_bundle(run_dir: Path, bundle: Path, spec: dict) -> str | None:
     hydra_cfg = run_dir / ".hydra" / "config.yaml"
     if not id_file.is_file() or not hydra_cfg.is_file():
         return None
-    from draftsmith.train.tracking import _wandb_mode
-
     wb = (yaml.safe_load(hydra_cfg.read_text()).get("logger") or {}).get("wandb") or {}
-    mode = _wandb_mode(wb.get("mode", "auto"))
+    mode = wandb_mode(wb.get("mode", "auto"))
     if mode == "disabled":
         return None
     import wandb

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.train.plots import acceptance_by_position
+from draftsmith.drafts.plots import acceptance_by_position
 
 CARD_PLOT = "acceptance.png"
 DEPLOYMENT_PLOT = "deployment.png"

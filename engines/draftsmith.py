@@ -6,9 +6,9 @@ import time
 
 import torch
 
+from draftsmith.engines.base import InProcess, Output
 from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
-from draftsmith.engines.base import InProcess, Output
 
 
 class DraftsmithEngine(InProcess):

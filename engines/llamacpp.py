@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.machine import cache_home, files_sha256
 from draftsmith.engines.base import Engine, Output
 from draftsmith.sampling.cli import engine_k
+from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.sampling.machine import cache_home, files_sha256
 
 VERSION = "0.3.36"
 INSTALL = "draftsmith engines install llamacpp"

@@ -8,9 +8,9 @@ import time
 
 import torch
 
+from draftsmith.engines.base import InProcess, Output
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_dir
-from draftsmith.engines.base import InProcess, Output
 
 
 class TransformersEngine(InProcess):

@@ -30,11 +30,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from draftsmith.engines import process_tree
+from draftsmith.engines.base import Engine, Output
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import resolve
 from draftsmith.sampling.machine import cache_home
-from draftsmith.engines import process_tree
-from draftsmith.engines.base import Engine, Output
 
 VERSION = "0.32.0"
 INSTALL = "draftsmith engines install vllm"
@@ -242,7 +242,7 @@ class Session:
 
     def batches(self, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, last: bool = False):
         """`rows` in batches of `batch_size`, the workers taking them in turn, yielded in order as the engine
-        interface has them (train/generation.py): (start, prompt ids, tokens per row, record or None, seconds). A
+        interface has them (data/generation.py): (start, prompt ids, tokens per row, record or None, seconds). A
         row's seed is `seed` + `first_row` + its index. `last`: these are the session's last jobs."""
         starts = list(range(0, len(rows), batch_size))
         jobs = [self.submit([{"prompt": r, "seed": seed + first_row + s + i}

@@ -23,11 +23,11 @@ from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_dir, is_feature_draft
 from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
-from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import user_turn
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
+from draftsmith.sampling.stats import TAU
 
 
 def parse_args(argv=None, prog=None):

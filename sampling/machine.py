@@ -194,3 +194,17 @@ def files_sha256(folder: Path, names) -> str:
             h.update(n.encode())
             stream_into(h, Path(folder) / n)
     return h.hexdigest()
+
+
+def wandb_mode(mode: str) -> str:
+    """auto: online only when a key is configured (env or netrc); offline otherwise, so it never blocks."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return "online"
+    return "offline"

@@ -47,7 +47,7 @@ def load_prompts(name_or_path: str, n: int | None = None) -> list[dict]:
 
 def user_turn(tokenizer, text: str, enable_thinking: bool | None = None) -> str:
     """`text` as one user turn through the tokenizer's chat template, with the generation prompt: how a draft trained
-    with data=chat met its prompts (train/chat.py renders the same way). Encode it with special_tokens=False: the
+    with data=chat met its prompts (data/chat.py renders the same way). Encode it with special_tokens=False: the
     template writes the BOS itself, and a tokenizer that adds one too would give the prompt two. `enable_thinking`
     None leaves the template's default."""
     if not getattr(tokenizer, "chat_template", None):

@@ -207,7 +207,7 @@ def autoregressive_generate(
     on_logits(rows, logits): called before each token is drawn with the input rows still decoding (a LongTensor on
     the host) and their raw logits (len(rows), V) on the device, the distribution that token comes from: a draft
     trained on these samples needs the target's logits at exactly these positions, and recomputing them costs a
-    teacher pass (`train/corpus.py`)."""
+    teacher pass (`data/corpus.py`)."""
     cfg = SamplingConfig(temperature, top_k, top_p)
     _check_inputs([target], input_ids, attention_mask, max_new_tokens)
     input_ids, attention_mask = _on_device(target, input_ids, attention_mask)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.train.diskfull import DiskFull
+from draftsmith.data.diskfull import DiskFull
 
 job, mount, result_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 args = sys.argv[4:]
@@ -40,8 +40,8 @@ def free_space() -> None:
 
 
 if job == "generate":  # the target's samples and kept logits, against an uninterrupted run's files (ARGS: REF, N)
+    from draftsmith.data.corpus import generate_corpus, logits_dir
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus, logits_dir
 
     ref, n = Path(args[0]), int(args[1])
     out = mount / "gen.jsonl"
@@ -66,7 +66,7 @@ if job == "generate":  # the target's samples and kept logits, against an uninte
     result["logits_files"] = len(files(out))
 
 elif job == "store":  # the teacher store: blocks written before the disk filled read back whole; the rest after
-    from draftsmith.train.teacher import TeacherCache, top_logprobs
+    from draftsmith.data.teacher import TeacherCache, top_logprobs
 
     cache = TeacherCache(400, 63, 16, 512, directory=mount)
     torch.manual_seed(0)
@@ -95,8 +95,8 @@ elif job == "store":  # the teacher store: blocks written before the disk filled
 elif job == "blocks":  # the tokenized-blocks cache under DRAFTSMITH_HOME (ARGS: CORPUS, the reference digest)
     import hashlib
 
+    from draftsmith.data.corpus import blocks_cache, load_blocks
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.corpus import blocks_cache, load_blocks
 
     tok = load_tokenizer("tiny-random")  # materialised under the usual home first
     os.environ["DRAFTSMITH_HOME"] = str(mount / "home")  # the blocks cache on the small disk

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from draftsmith.train.build import DraftConfig, draft_config_for
+from draftsmith.drafts.build import DraftConfig, draft_config_for
 from draftsmith.train.schema import register
 from draftsmith.train.strategy import build_strategy
 

@@ -3,10 +3,10 @@
 import json
 
 from draftsmith.deploy.bench.acceptance import main
+from draftsmith.drafts.evaluate import alpha_on_samples, target_samples
 from draftsmith.sampling.load import load_model, load_tokenizer, resolve
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
-from draftsmith.train.evaluate import alpha_on_samples, target_samples
 
 
 def test_every_draft_meets_the_same_target_samples(smoke_run, tmp_path, capsys):

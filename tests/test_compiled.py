@@ -74,7 +74,7 @@ def test_frozen_weights_are_frozen_only_in_half_precision():
 def test_frozen_graphs_serve_every_generation(freeze_fp32):
     """Each generation brings a new static cache; a frozen graph must read and write that one, not the cache it
     was compiled with (StaticCache's tensors are tagged like weights). Greedy, compiled == eager, three times."""
-    from draftsmith.train.build import truncated_target
+    from draftsmith.drafts.build import truncated_target
 
     target = tiny_llama(vocab=64, layers=3, hidden=32, seed=5, logit_scale=4.0)
     draft = truncated_target(target, 1).requires_grad_(False)  # agrees sometimes
@@ -138,7 +138,7 @@ def test_compiled_autoregressive_generate_passes_chi_square(pair):
 def test_demo_target_compiled_greedy_is_identical_to_its_greedy(demo_target):
     """Temperature 0 on SmolLM2-135M, compiled steps, a 4-layer cut draft (rejections abound): SpS == the
     target's own greedy decoding (transformers, eager), token for token."""
-    from draftsmith.train.build import truncated_target
+    from draftsmith.drafts.build import truncated_target
 
     model, tok = demo_target
     draft = truncated_target(model, 4).eval()

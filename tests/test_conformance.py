@@ -15,8 +15,8 @@ from draftsmith.deploy.conformance import (
     main,
     open_bundle,
 )
-from draftsmith.sampling import rejection
 from draftsmith.engines.draftsmith import DraftsmithEngine
+from draftsmith.sampling import rejection
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def sharp_bundle(tmp_path_factory):
     """A pair that disagrees often (alpha ~0.2), so a wrong residual moves the output distribution a lot: the
     tiny random target sharpened x4 and its own first layer sharpened x6 as the draft."""
     from draftsmith.deploy.export import export
+    from draftsmith.drafts.build import truncated_target
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.build import truncated_target
 
     root = tmp_path_factory.mktemp("conformance")
     tok = load_tokenizer("tiny-random")

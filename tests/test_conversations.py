@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.data import conversations as conv
+from draftsmith.data.chat import PROMPT_TOO_LONG, TAIL_CUT, Sample, chat_batches, cut, last_turn_only, render, show
+from draftsmith.data.conversations import Fields, is_heldout, read_conversations
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train import conversations as conv
-from draftsmith.train.chat import PROMPT_TOO_LONG, TAIL_CUT, Sample, chat_batches, cut, last_turn_only, render, show
-from draftsmith.train.conversations import Fields, is_heldout, read_conversations
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
@@ -170,7 +170,7 @@ def _no_crossing(rows: torch.Tensor, mask: torch.Tensor | None, samples: list[li
 def test_batches_never_cross_samples_where_todays_packing_does(tmp_path, llama3_tok, monkeypatch):
     """The chat batches hold one sample a row, from its start; today's 256-token packing (load_blocks) runs samples
     into each other, and this same check fails on it."""
-    from draftsmith.train.corpus import load_blocks
+    from draftsmith.data.corpus import load_blocks
 
     tok = llama3_tok
     texts = [f"hello there {'how are you ' * (i % 7 + 1)}" for i in range(60)]
@@ -191,7 +191,7 @@ def test_padded_row_sees_only_itself(llama3_tok):
     """A sample's logits in a batch equal its logits alone: position 0 at its start and no attention outside it."""
     from conftest import tiny_llama
 
-    from draftsmith.train.onpolicy import Batch
+    from draftsmith.drafts.batch import Batch
 
     model = tiny_llama(vocab=len(llama3_tok), hidden=64, heads=2).eval()
     a, b = [5, 9, 33, 40, 7, 8, 11], [12, 13, 60]
@@ -218,7 +218,7 @@ def _tiny_target(tok):
 
 
 def _convs():
-    from draftsmith.train.conversations import Conversation
+    from draftsmith.data.conversations import Conversation
 
     def c(i):
         return Conversation(str(i), [{"role": "user", "content": f"hello there {i}"},
@@ -231,9 +231,9 @@ def _convs():
 def test_regeneration_turn_by_turn_with_its_own_answers(tmp_path, llama3_tok):
     """Greedy regeneration: each assistant turn is the target's own greedy answer given the conversation so far,
     its earlier regenerated answers included, through the template."""
+    from draftsmith.data.chat import template_text
+    from draftsmith.data.chatcorpus import regenerate
     from draftsmith.sampling import autoregressive_generate
-    from draftsmith.train.chat import template_text
-    from draftsmith.train.chatcorpus import regenerate
 
     tok, target = llama3_tok, _tiny_target(llama3_tok)
     path = regenerate(target, tok, _convs()[:1], tmp_path / "r.jsonl", max_new_tokens=5, temperature=0.0,
@@ -262,7 +262,7 @@ def test_regeneration_turn_by_turn_with_its_own_answers(tmp_path, llama3_tok):
 def test_regeneration_resumes_per_conversation(tmp_path, llama3_tok):
     """A run killed after one conversation (and mid-way through the next line) continues to the file an
     uninterrupted run writes."""
-    from draftsmith.train.chatcorpus import regenerate
+    from draftsmith.data.chatcorpus import regenerate
 
     tok, target = llama3_tok, _tiny_target(llama3_tok)
     kw = dict(max_new_tokens=4, temperature=0.8, batch_size=1, seed=3, progress=False)
@@ -279,9 +279,9 @@ def test_the_turn_loop_asks_the_engine_for_each_turn_with_its_last_answers(tmp_p
     answered; the rate line names the engine."""
     from contextlib import contextmanager
 
-    from draftsmith.train import generation
-    from draftsmith.train.chat import template_text
-    from draftsmith.train.chatcorpus import regenerate
+    from draftsmith.data import generation
+    from draftsmith.data.chat import template_text
+    from draftsmith.data.chatcorpus import regenerate
 
     tok, asked, opened = llama3_tok, [], []
 
@@ -439,9 +439,9 @@ def test_feature_heads_unrolled_steps_see_only_their_own_sample():
     from conftest import tiny_llama
     from test_feature import feature_draft
 
+    from draftsmith.drafts.batch import Batch
+    from draftsmith.drafts.feature import feature_alpha
     from draftsmith.sampling.probs import SamplingConfig
-    from draftsmith.train.feature import feature_alpha
-    from draftsmith.train.onpolicy import Batch
 
     target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
     draft = feature_draft(target, scale=3.0)
@@ -463,10 +463,10 @@ def test_validation_scores_the_trained_tokens_only():
 
     from conftest import tiny_llama
 
+    from draftsmith.drafts.batch import Batch
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.sampling.rejection import teacher_forced_acceptance
     from draftsmith.train.objective import IndependentObjective
-    from draftsmith.train.onpolicy import Batch
 
     target = tiny_llama(vocab=40, seed=0, logit_scale=4.0)
     draft = tiny_llama(vocab=40, seed=1, logit_scale=4.0)
@@ -490,7 +490,7 @@ def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, lla
     no training batch; the batches hold the rest, cut to the block."""
     from hydra import compose, initialize_config_dir
 
-    from draftsmith.train.chatcorpus import chat_blocks, prepare
+    from draftsmith.data.chatcorpus import chat_blocks, prepare
     from draftsmith.train.draft import RECIPES
 
     rows = [_sharegpt(("human", f"hello there {i}"), ("gpt", "I am fine " * (1 + i % 3))) for i in range(40)]
@@ -521,8 +521,8 @@ def test_the_report_judges_a_chat_trained_draft_on_held_out_chat_through_the_tem
 
     from omegaconf import OmegaConf
 
+    from draftsmith.drafts import evaluate
     from draftsmith.sampling.prompts import encode_prompts
-    from draftsmith.train import evaluate
     from draftsmith.train.report import eval_sets
 
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
@@ -561,8 +561,8 @@ def test_generate_chat_renders_one_user_turn_with_one_bos(llama3_tok):
     --enable-thinking reaches the template."""
     import copy
 
+    from draftsmith.data.chat import template_text
     from draftsmith.sampling.generate import encode_prompt, parse_args
-    from draftsmith.train.chat import template_text
 
     tok = copy.deepcopy(llama3_tok)
     tok.chat_template = LLAMA3.replace("{{ bos_token }}", "{{ bos_token }}{% if enable_thinking is defined and not "
@@ -583,7 +583,7 @@ def kept_chat(tmp_path_factory, llama3_tok):
     """A data=chat corpus as it is (data.regenerate=false) prepared with loss.teacher_topk=8: its teacher pass."""
     from hydra import compose, initialize_config_dir
 
-    from draftsmith.train.chatcorpus import chat_blocks, prepare
+    from draftsmith.data.chatcorpus import chat_blocks, prepare
     from draftsmith.train.draft import RECIPES
 
     tmp = tmp_path_factory.mktemp("kept_chat")
@@ -601,8 +601,8 @@ def kept_chat(tmp_path_factory, llama3_tok):
 
 
 def _prefilled(target, record, blocks, k=8):
-    from draftsmith.train.corpus import prefill_labels, sampled_rows
-    from draftsmith.train.teacher import TeacherCache
+    from draftsmith.data.corpus import prefill_labels, sampled_rows
+    from draftsmith.data.teacher import TeacherCache
 
     samples = [x.ids for x in blocks["samples"]]
     width = max([b["ids"].shape[1] for b in blocks["train"]] + [len(s) for s in samples])
@@ -640,7 +640,7 @@ def test_chat_with_kept_logits_never_runs_the_target_in_a_training_step(kept_cha
     step (every sample's teacher is read from the store), and the loss is taken."""
     import lightning as L
 
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.data import chat_loaders
     from draftsmith.train.module import DraftModule
 

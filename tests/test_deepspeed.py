@@ -30,8 +30,8 @@ def test_zero_engine_runs_on_cpu_with_our_config(tmp_path, stage):
     # the run's checkpoint reader consolidates the shards into the whole weights; resume accepts the directory
     from safetensors.torch import load_file
 
+    from draftsmith.drafts.saved import checkpoint_state
     from draftsmith.train.rundir import resume_checkpoint
-    from draftsmith.train.saved import checkpoint_state
 
     state, whole = checkpoint_state(tmp_path / "ckpt"), load_file(tmp_path / "whole.safetensors")
     assert set(whole) <= set(state)

@@ -28,6 +28,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own TOML reader
 # What each layer's users have installed: the sampler is the base install; the deploy path adds the engines'
 # packages; the trainer its extras; the scripts and the tests run beside everything.
 LAYERS = {"sampling": {"base"}, "deploy": {"base", "engines"}, "train": {"base", "train", "deepspeed"},
+          "data": {"base", "engines"}, "drafts": {"base", "engines"},  # export and the benches read them: no trainer
           "engines": {"base", "engines"},  # the deploy check's engines: no trainer installed
           "scripts": {"base", "train", "deepspeed", "engines"},
           "tests": {"base", "train", "deepspeed", "engines", "dev"}}
@@ -39,6 +40,10 @@ ELSEWHERE = {"vllm": "vLLM's own venv (draftsmith engines install vllm): engines
                           "(tests/test_peers.py)"}
 # an import of a package its layer does not install, inside a function that only such an install reaches
 LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&B, which the train extra trained",
+        ("data/conversations.py", "datasets"): "a dataset folder, a hub id or a parquet file of conversations: a "
+                                               "training corpus (the benches read ShareGPT's JSON)",
+        ("data/corpus.py", "datasets"): "a corpus read from a dataset id or a data file: a training run's data",
+        ("drafts/saved.py", "deepspeed"): "a ZeRO checkpoint consolidated: only a run trained with DeepSpeed has one",
         ("scripts/gpu_image.py", "packaging"): "constraints(): the image copy, built by the dev tests (or by hand "
                                                "beside the dev extras) and on the GPU image, which has it"}
 # declared, imported by no file of the repository

@@ -270,8 +270,8 @@ def _on(t) -> str:
 def test_drafts_are_built_where_the_target_is():
     """build_draft (target_init copies the target's layers), the cut-target baseline and a pruned head's rows all
     land on the target's device: built on the host beside a target on a GPU they crashed at fit start."""
+    from draftsmith.drafts.build import DraftConfig, build_draft, truncated_target
     from draftsmith.sampling.pruned import PrunedHeadDraft
-    from draftsmith.train.build import DraftConfig, build_draft, truncated_target
 
     target = _models()
     draft = build_draft(target, DraftConfig(layers=2, width_ratio=1.0, init="target"))
@@ -285,7 +285,7 @@ def test_drafts_are_built_where_the_target_is():
 
 
 def test_a_feature_draft_is_built_where_the_target_is():
-    from draftsmith.train.feature import build_feature_draft
+    from draftsmith.drafts.feature import build_feature_draft
 
     target = _models()
     counts = torch.arange(64.0)
@@ -321,7 +321,7 @@ def test_the_feature_tap_concatenates_a_target_split_over_two_devices():
 def test_a_sharded_drafts_checkpoint_is_rebuilt_where_it_will_run(tmp_path):
     from conftest import tiny_llama
 
-    from draftsmith.train.saved import draft_from_checkpoint
+    from draftsmith.drafts.saved import draft_from_checkpoint
 
     draft = tiny_llama(vocab=64, layers=1, seed=1)
     torch.save({"state_dict": {f"draft.{k}": v for k, v in draft.state_dict().items()}}, tmp_path / "last.ckpt")
@@ -336,9 +336,9 @@ def test_a_bundles_draft_loads_back_onto_the_device(kind, tmp_path):
     the device: the head `load_model` wraps it in is built there too."""
     from test_feature import feature_draft
 
+    from draftsmith.drafts.saved import save_draft
     from draftsmith.sampling.load import load_model
     from draftsmith.sampling.pruned import PrunedHeadDraft
-    from draftsmith.train.saved import save_draft
 
     tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(_tiny_random_dir())
     if kind == "pruned":
@@ -380,11 +380,11 @@ def test_a_training_step_runs_on_the_device(kind, kept, loss):
     from helpers import DeviceReads
     from test_feature import feature_draft
 
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.data.teacher import TeacherCache
+    from draftsmith.drafts.batch import Batch
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.losses import draft_loss
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch
-    from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)  # built on the host, moved as Lightning moves them
     if kind == "feature":
@@ -426,7 +426,7 @@ def test_fit_start_measures_on_the_device(on_target):
     pruned head's copy) with the target on the device, fed prompts from the host."""
     from helpers import DeviceReads
 
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.callbacks import AcceptanceCallback
     from draftsmith.train.module import DraftModule
 
@@ -463,10 +463,10 @@ def test_kept_logits_are_expanded_on_the_device_and_only_the_top_k_crosses(tmp_p
     from conftest import tiny_llama
     from torch.overrides import TorchFunctionMode
 
-    from draftsmith.train.generation import own_batches
+    from draftsmith.data.generation import own_batches
+    from draftsmith.data.teacher import TeacherCache
+    from draftsmith.drafts.batch import Batch
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch
-    from draftsmith.train.teacher import TeacherCache
 
     V, B, P = 64, 2, 9
 

@@ -49,8 +49,8 @@ def _one_line(error: str, *parts: str):
 
 
 def test_sampling_the_corpus_onto_a_full_disk_stops_in_one_line_and_resumes_to_the_same_files(tmp_path, small_fs):
+    from draftsmith.data.corpus import generate_corpus
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus
 
     ref = tmp_path / "ref.jsonl"  # an uninterrupted run on a roomy disk
     generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"),
@@ -73,8 +73,8 @@ def test_the_teacher_store_on_a_full_disk_keeps_its_blocks_and_refills_after_spa
 def test_the_blocks_cache_on_a_full_disk_leaves_no_torn_file_and_is_written_after_space_is_freed(tmp_path, small_fs):
     import hashlib
 
+    from draftsmith.data.corpus import load_blocks
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.corpus import load_blocks
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -11,10 +11,10 @@ import torch
 from helpers import required
 
 from draftsmith.deploy.conformance import Setting, check, open_bundle
-from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.engines.llamacpp import missing as llamacpp_missing
 from draftsmith.engines.vllm import missing as vllm_missing
 from draftsmith.engines.vllm import python_path as vllm_python
+from draftsmith.sampling.errors import DraftsmithError
 
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
@@ -32,10 +32,10 @@ def demo_bundle(demo_target, tmp_path_factory):
     """The demo target's own first two layers as the draft (head_dim 64, as vLLM needs), with a pruned head of the
     8192 most frequent tokens, as `recipe=shallow_wide` makes it: each engine must load it the way its users do."""
     from draftsmith.deploy.export import export
+    from draftsmith.drafts.build import truncated_target
+    from draftsmith.drafts.saved import save_draft
     from draftsmith.sampling.load import resolve
     from draftsmith.sampling.pruned import top_tokens
-    from draftsmith.train.build import truncated_target
-    from draftsmith.train.saved import save_draft
 
     target, tok = demo_target
     root = tmp_path_factory.mktemp("engines")
@@ -50,8 +50,8 @@ def demo_bundle(demo_target, tmp_path_factory):
 def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     """Assisted generation takes a plain PreTrainedModel: the draft runs its full head there (exact all the same);
     it used to crash on our pruned-head wrapper ('PrunedHeadDraft' object has no attribute 'device')."""
-    from draftsmith.sampling.pruned import PrunedHeadDraft
     from draftsmith.engines.transformers import TransformersEngine
+    from draftsmith.sampling.pruned import PrunedHeadDraft
 
     bundle = open_bundle(demo_bundle)
     engine = TransformersEngine(bundle)
@@ -131,8 +131,8 @@ def _layer0_feature_bundle(target, tok, counts, root):
     feature (the embedding of x_j) to the head unchanged (attention and MLP outputs zeroed, a unit final norm),
     exported to root/bundle."""
     from draftsmith.deploy.export import export
+    from draftsmith.drafts.feature import build_feature_draft
     from draftsmith.sampling.load import resolve
-    from draftsmith.train.feature import build_feature_draft
 
     draft = build_feature_draft(target, FEATURE_LAYERS, 8192, counts)
     H = target.config.hidden_size
@@ -379,10 +379,10 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     log-probabilities (vLLM's raw_logprobs): at the ids vLLM kept, our fp32 forward on the same tokens agrees to
     fp16 rounding. An engine checked against the wrong distribution (a planted mismatch of temperature) is refused
     before any row is written."""
+    from draftsmith.data.corpus import generate_corpus, sampled_logits
+    from draftsmith.data.generation import EngineCheck
     from draftsmith.sampling.probs import SamplingConfig
     from draftsmith.sampling.prompts import load_prompts
-    from draftsmith.train.corpus import generate_corpus, sampled_logits
-    from draftsmith.train.generation import EngineCheck
 
     target, tok = demo_target
     monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "engine_checks.json"))
@@ -438,12 +438,12 @@ def test_vllm_regenerates_chat_turn_by_turn_after_its_check(demo_target, tmp_pat
     conversation is kept, then answers turn 1 of a batch of conversations, and turn 2's prompts, rendered by our
     tokenizer and template, hold vLLM's own turn-1 answers; a run killed after the first batch (a torn row after it)
     resumes to the file an uninterrupted run wrote."""
+    from draftsmith.data.chat import template_text
+    from draftsmith.data.chatcorpus import regenerate
+    from draftsmith.data.conversations import Fields, read_conversations
+    from draftsmith.data.generation import EngineCheck
     from draftsmith.engines import vllm
     from draftsmith.sampling.probs import SamplingConfig
-    from draftsmith.train.chat import template_text
-    from draftsmith.train.chatcorpus import regenerate
-    from draftsmith.train.conversations import Fields, read_conversations
-    from draftsmith.train.generation import EngineCheck
 
     target, tok = demo_target
     monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "engine_checks.json"))
@@ -501,7 +501,7 @@ from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.train import draft
-from draftsmith.train.build import TargetWeights
+from draftsmith.drafts.build import TargetWeights
 
 recipes, ending = sys.argv[1:3]
 with initialize_config_dir(config_dir=recipes, version_base="1.3"):

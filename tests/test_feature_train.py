@@ -9,12 +9,12 @@ from conftest import run_entry, tiny_llama
 from helpers import fit_losses
 from test_feature import FeatureDist, feature_draft
 
+from draftsmith.drafts.batch import Batch
+from draftsmith.drafts.feature import build_feature_draft, feature_alpha, teacher_pass, unrolled
 from draftsmith.sampling.feature import FeatureTap
 from draftsmith.sampling.probs import SamplingConfig, process_logits
 from draftsmith.sampling.rejection import expected_acceptance
-from draftsmith.train.feature import build_feature_draft, feature_alpha, teacher_pass, unrolled
 from draftsmith.train.losses import draft_loss
-from draftsmith.train.onpolicy import Batch
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,8 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
     """Real Lightning fit of a pruned feature draft, 3 epochs of 2 batches: with loss.teacher_topk the target runs
     in the first epoch only (its features and head-restricted logits kept), and the losses follow those of the
     run that asks the target every step (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
+    from draftsmith.data.teacher import TeacherCache
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.teacher import TeacherCache
 
     blocks = torch.randint(0, 30, (8, 12), generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(blocks.flatten(), minlength=30).double()
@@ -123,7 +123,7 @@ def test_kept_features_spare_the_target_after_the_first_epoch(tmp_path):
 def test_unrolled_steps_weigh_step_decay_to_the_power_of_the_step(pair):
     """draft.step_decay (EAGLE-3's 0.8): step s of the training-time test weighs step_decay ** s in the loss, and
     step_decay = 1 leaves the plain mean; a decay outside (0, 1] is refused."""
-    from draftsmith.train.build import DraftConfig
+    from draftsmith.drafts.build import DraftConfig
     from draftsmith.train.module import DraftModule
 
     target, draft = pair
@@ -154,9 +154,9 @@ def test_feature_noise_is_relative_to_each_blocks_scale_and_only_in_training(pai
     """draft.feature_noise (EAGLE-1's): each of the three feature blocks gets U(-a, a) x its own per-token RMS (a
     block 1e4 times larger gets noise 1e4 times larger), centred, fresh each call; training reads the noisy
     features, and a noise of 0 or outside [0, 1) is none or refused."""
+    from draftsmith.drafts.build import DraftConfig
+    from draftsmith.drafts.feature import noisy_features
     from draftsmith.train import objective as module_lib
-    from draftsmith.train.build import DraftConfig
-    from draftsmith.train.feature import noisy_features
     from draftsmith.train.module import DraftModule
 
     g = torch.Generator().manual_seed(0)

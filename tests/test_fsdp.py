@@ -14,8 +14,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from draftsmith.drafts.build import DraftConfig, draft_config_for
 from draftsmith.sampling.feature import FeatureConfig, FeatureDraft
-from draftsmith.train.build import DraftConfig, draft_config_for
 from draftsmith.train.draft import RECIPES
 from draftsmith.train.strategy import build_strategy, layer_classes
 

@@ -1,4 +1,4 @@
-"""Which engine samples the corpus (train/generation.py): `auto` measures once and remembers, an engine that is
+"""Which engine samples the corpus (data/generation.py): `auto` measures once and remembers, an engine that is
 not installed is refused in one line before any sample is written. vLLM itself: tests/test_engines.py."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import ROOT, run_entry, tiny_llama
 
-from draftsmith.sampling.errors import DraftsmithError
+from draftsmith.data.generation import choose_engine, own_batches
 from draftsmith.engines.vllm import batches as vllm_batches
-from draftsmith.train.generation import choose_engine, own_batches
+from draftsmith.sampling.errors import DraftsmithError
 
 
 def test_auto_picks_the_measured_faster_engine_once_and_remembers(tmp_path, monkeypatch, capsys):
@@ -94,8 +94,8 @@ def test_a_corpus_sampled_elsewhere_gets_the_kept_logits_of_one_teacher_pass(tmp
     """Prompt + completion pairs go through one batched (left-padded) teacher pass into the same store as our own
     samples: the trainer's index finds every row's kept values, and they are the target's top-k log-probabilities
     of each completion token's position, as a forward over that row alone gives them."""
+    from draftsmith.data.corpus import generate_corpus, pair_rows, sampled_logits
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus, pair_rows, sampled_logits
 
     target, tok = load_model("tiny-random", "fp32"), load_tokenizer("tiny-random")
     rows = _pairs_file(tmp_path / "pairs.jsonl", 12)
@@ -133,7 +133,7 @@ def test_entry_trains_on_pairs_sampled_elsewhere(tmp_path, monkeypatch):
 def test_the_store_estimate_counts_logits_and_features():
     """What a corpus' kept store will take, said before sampling: 6 bytes a kept log-probability (fp16 value, int32
     id), 2 a feature value at every position the target ran on (an 8B target's features: 3 x 4096 a position)."""
-    from draftsmith.train.corpus import store_estimate
+    from draftsmith.data.corpus import store_estimate
 
     line = store_estimate(1000, 192, 128)
     assert "top-128 logits" in line and "0.137 GiB for 1000 samples" in line and "(0.141 MiB a sample)" in line
@@ -165,10 +165,10 @@ def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(de
     this CPU runs: they pass; the same loop with the temperature applied twice (a planted bug of the kind an engine
     could have) is refused, in bf16 too, where the check allows the precision's own noise. The reference is the
     target itself, loaded only when samples are judged."""
+    from draftsmith.data.generation import EngineCheck
     from draftsmith.sampling import autoregressive_generate
     from draftsmith.sampling.load import load_model
     from draftsmith.sampling.probs import SamplingConfig
-    from draftsmith.train.generation import EngineCheck
 
     monkeypatch.setattr(EngineCheck, "path", staticmethod(lambda: tmp_path / "checks.json"))
     tok = demo_target[1]  # a real model's peaked distributions (a random one's are near uniform at any T)
@@ -204,9 +204,9 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     from hydra import compose, initialize_config_dir
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from draftsmith.drafts.build import TargetWeights
     from draftsmith.sampling.load import load_tokenizer, resolve
     from draftsmith.train import draft
-    from draftsmith.train.build import TargetWeights
 
     target_dir = tmp_path / "target-hd64"  # tiny-random's tokenizer, a head_dim vLLM's CPU attention takes
     LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
@@ -252,8 +252,8 @@ def test_auto_measures_both_engines_on_one_batch(fake_vllm, monkeypatch):
     counted; the stand-in reports 0.1 s for its batch of 2 rows x 2 tokens), and vLLM's processes gone after."""
     from helpers import processes_after
 
+    from draftsmith.data.generation import measure_engines
     from draftsmith.sampling.load import load_model
-    from draftsmith.train.generation import measure_engines
 
     for key, value in fake_vllm.env.items():
         monkeypatch.setenv(key, value)

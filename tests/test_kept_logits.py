@@ -9,8 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from draftsmith.sampling import autoregressive_generate
-from draftsmith.train.corpus import (
+from draftsmith.data.corpus import (
     _POS_BITS,
     generate_corpus,
     load_blocks,
@@ -18,7 +17,8 @@ from draftsmith.train.corpus import (
     sampled_logits,
     sampled_rows,
 )
-from draftsmith.train.teacher import TeacherCache
+from draftsmith.data.teacher import TeacherCache
+from draftsmith.sampling import autoregressive_generate
 
 PROMPTS = ["def a():", "import os", "class B:", "x = 1", "for i in range(3):", "# hello"]
 
@@ -129,9 +129,9 @@ def test_kept_logits_are_ignored_for_rows_they_do_not_match(tmp_path, tiny):
 def test_positions_without_a_teacher_carry_no_loss():
     """A kept block's unknown positions: the teacher stands in as the draft itself (every divergence 0) and the
     label is ignored; the known ones keep the cache's logits."""
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.batch import Batch
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))
@@ -209,9 +209,9 @@ def test_a_feature_draft_trains_on_kept_features_without_the_target(tiny, kept_f
     """A feature draft's step on kept blocks runs no target (it has none here); slots whose teacher or feature was
     not kept carry no loss (the draft's own logits as teacher, label ignored), and what lies at a position without
     a feature never reaches the slots that carry the loss."""
-    from draftsmith.train.feature import build_feature_draft
+    from draftsmith.drafts.batch import Batch
+    from draftsmith.drafts.feature import build_feature_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch
 
     tok, target = tiny
     path, rows, blocks, cache = kept_features

@@ -16,7 +16,7 @@ from draftsmith.deploy.conformance import open_bundle
 GENERATE = """
 import sys
 from draftsmith.sampling.load import load_model, load_tokenizer
-from draftsmith.train.corpus import generate_corpus
+from draftsmith.data.corpus import generate_corpus
 prompts = [f"prompt {i}:" for i in range(int(sys.argv[2]))]
 generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"), prompts, sys.argv[1],
                 max_new_tokens=24, batch_size=4, progress=False)
@@ -41,8 +41,8 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> bool:
 
 
 def _generate(path, n):
+    from draftsmith.data.corpus import generate_corpus
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus
 
     generate_corpus(load_model("tiny-random", "fp32"), load_tokenizer("tiny-random"),
                     [f"prompt {i}:" for i in range(n)], path, max_new_tokens=24, batch_size=4, progress=False)
@@ -141,7 +141,7 @@ TOKENIZE = """
 import sys
 from pathlib import Path
 from draftsmith.sampling.load import load_tokenizer
-from draftsmith.train.corpus import load_blocks
+from draftsmith.data.corpus import load_blocks
 tok = load_tokenizer("tiny-random")
 Path(sys.argv[2]).touch()
 load_blocks(sys.argv[1], tok, 64)
@@ -153,8 +153,8 @@ def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebui
     uninterrupted run builds; a cache file damaged on disk is rebuilt, not read."""
     import torch
 
+    from draftsmith.data.corpus import blocks_cache, load_blocks
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.corpus import blocks_cache, load_blocks
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -72,7 +72,7 @@ def test_bad_loss_config_is_refused(logits, weights, msg):
 
 
 def test_the_teacher_cache_asks_the_target_once_per_block_and_keeps_its_distribution():
-    from draftsmith.train.teacher import TeacherCache
+    from draftsmith.data.teacher import TeacherCache
 
     g = torch.Generator().manual_seed(1)
     true = torch.randn(4, 6, 50, generator=g) * 3  # 4 blocks, 6 label positions, V 50

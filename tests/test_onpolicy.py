@@ -10,9 +10,10 @@ import torch
 from conftest import run_entry, tiny_llama
 from torch.utils.data import DataLoader, TensorDataset
 
+from draftsmith.drafts.batch import Batch
+from draftsmith.drafts.evaluate import alpha_on_samples, target_samples
 from draftsmith.sampling.probs import SamplingConfig, process_logits
-from draftsmith.train.evaluate import alpha_on_samples, target_samples
-from draftsmith.train.onpolicy import Batch, OnPolicy
+from draftsmith.train.onpolicy import OnPolicy
 
 V = 32
 
@@ -100,7 +101,7 @@ def test_rows_are_sampled_a_buffer_at_a_time():
 
 
 def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
 
     target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
@@ -127,9 +128,9 @@ def test_on_policy_training_updates_the_draft_never_the_target(tmp_path):
 def test_a_mixed_batch_runs_the_target_on_the_drafts_rows_only_and_keeps_the_corpus_rows():
     """With a teacher cache the corpus rows of a mixed batch come from it (after their first visit), and the
     target scores only the draft's fresh rows: the logits equal a direct teacher pass on each part."""
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.data.teacher import TeacherCache
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=V, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target"))

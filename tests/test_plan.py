@@ -11,7 +11,7 @@ import torch
 from conftest import run_entry
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from draftsmith.train.build import DraftConfig, draft_config_for
+from draftsmith.drafts.build import DraftConfig, draft_config_for
 from draftsmith.train.plan import GIB, STRATEGIES, model_shape, plan
 
 
@@ -120,8 +120,8 @@ def _measure(precision: str, teacher: str, compiled: bool, batch=4, block=128, v
     from lightning.pytorch.callbacks import Callback
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from draftsmith.data.teacher import TeacherCache
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.teacher import TeacherCache
 
     torch.manual_seed(0)
     tc = tiny_target_config(vocab)
@@ -224,7 +224,7 @@ def test_a_teacher_forced_pass_builds_no_kv_cache():
     micro-batch at 70B, in no row of the plan)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from draftsmith.train.onpolicy import Batch
+    from draftsmith.drafts.batch import Batch
 
     tc = tiny_target_config(2000)
     target = AutoModelForCausalLM.from_config(tc).to(torch.bfloat16).eval()

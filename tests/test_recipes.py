@@ -157,10 +157,10 @@ def test_recipes_verb_lists_shows_and_copies_a_recipe(capsys, tmp_path):
 def test_a_gpu_recipe_trains_only_on_a_prepared_corpus(tmp_path):
     """No rank waits while rank 0 samples: a GPU recipe without its corpus is refused in one line naming the data
     command, keyed by the corpus file train itself would read; once that file holds the samples, it trains."""
+    from draftsmith.data.prompts import split_prompts
     from draftsmith.sampling.load import load_tokenizer
     from draftsmith.train.draft import _corpus_prepared, _generated_key
     from draftsmith.train.launch import detect
-    from draftsmith.train.prompts import split_prompts
 
     tok = load_tokenizer("tiny-random")
     small = ["target.name=tiny-random", f"data.cache_dir={tmp_path / 'cache'}", "data.prompts=broad",
@@ -192,10 +192,10 @@ def test_a_gpu_recipe_trains_only_on_a_prepared_corpus(tmp_path):
 def test_the_data_command_prepares_the_corpus_a_gpu_recipe_checks_for(tmp_path):
     """`draftsmith data` (prepare_only) with a GPU recipe's data=generated writes the very file the refusal above
     counts, so the refusal clears; the target samples it (here on the CPU: the sampling is the same code)."""
+    from draftsmith.data.prompts import split_prompts
     from draftsmith.sampling.load import load_tokenizer
     from draftsmith.train.draft import _corpus_prepared, _prepare_only
     from draftsmith.train.launch import detect
-    from draftsmith.train.prompts import split_prompts
 
     tok = load_tokenizer("tiny-random")
     small = ["target.name=tiny-random", f"data.cache_dir={tmp_path / 'cache'}", "data.prompts=broad",

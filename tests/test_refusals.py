@@ -207,8 +207,8 @@ def test_truncated_gguf_is_refused_before_conversion(tmp_path):
     ("cut.parquet", b"PAR1 not really a parquet file", "as parquet"),
 ])
 def test_damaged_corpus_files_are_named(tmp_path, name, data, message):
+    from draftsmith.data.corpus import _documents
     from draftsmith.sampling.errors import DraftsmithError
-    from draftsmith.train.corpus import _documents
 
     (tmp_path / name).write_bytes(data)
     with pytest.raises(DraftsmithError, match=message) as e:
@@ -220,8 +220,8 @@ def test_a_parquet_without_the_text_field_is_named_and_an_empty_jsonl_line_loses
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from draftsmith.data.corpus import _documents
     from draftsmith.sampling.errors import DraftsmithError
-    from draftsmith.train.corpus import _documents
 
     pq.write_table(pa.table({"content": ["def f(): pass", "x = 1"]}), tmp_path / "code.parquet")
     with pytest.raises(DraftsmithError, match=r"code.parquet has no 'text' column \(it has \['content'\]\); "
@@ -242,10 +242,10 @@ def test_one_error_type_is_raised_by_every_layer_and_no_module_defines_another()
 
     from conftest import ROOT
 
+    from draftsmith.data.diskfull import DiskFull
     from draftsmith.deploy.export import locate
-    from draftsmith.train import MissingExtra
-    from draftsmith.train.diskfull import DiskFull
     from draftsmith.engines import open_engine
+    from draftsmith.train import MissingExtra
     from draftsmith.train.rundir import check_writable
 
     raised = []

@@ -62,9 +62,9 @@ def test_each_engine_runs_at_the_k_the_bundle_measured_fastest_there(self_bundle
     the engines, and so `bench serve` and `deploy-check`, run at that K by default, the recommended K elsewhere
     (first seen: bench serve ran transformers at the recommended K 1 while its config held the measured 2)."""
     from draftsmith.deploy.bundle import Bundle, open_bundle
-    from draftsmith.sampling.cli import engine_k
     from draftsmith.engines.draftsmith import DraftsmithEngine
     from draftsmith.engines.transformers import TransformersEngine
+    from draftsmith.sampling.cli import engine_k
 
     b = open_bundle(self_bundle)
     measured = Bundle(b.path, {**b.spec, "recommended_k": 1, "engine_k": {"draftsmith": {"best_k": 3}}},
@@ -168,8 +168,9 @@ def test_sglang_configs_and_layer_ids_match_sglangs_own_source():
     import ast
     import zipfile
 
-    from draftsmith.deploy.export import sglang_config
     from helpers import pypi_wheel
+
+    from draftsmith.deploy.export import sglang_config
 
     with zipfile.ZipFile(pypi_wheel(*SGLANG)) as z:
         spec, algos, llama = (ast.parse(z.read(f"sglang/srt/{f}.py")) for f in
@@ -201,8 +202,8 @@ def test_a_feature_bundle_keeps_its_d2t_map_and_names_its_verifier_relative(tmp_
     from safetensors.torch import load_file
 
     from draftsmith.deploy.export import export
+    from draftsmith.drafts.feature import build_feature_draft
     from draftsmith.sampling.load import load_model, load_tokenizer, resolve
-    from draftsmith.train.feature import build_feature_draft
 
     target = load_model("tiny-random", "fp32")
     vocab = target.config.vocab_size

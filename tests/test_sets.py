@@ -60,7 +60,7 @@ def test_sets_have_fixed_sizes_and_are_conversations(tmp_path):
 
 
 def test_the_chat_set_is_the_held_out_conversations():
-    from draftsmith.train.conversations import heldout_chat_set, is_heldout
+    from draftsmith.data.conversations import heldout_chat_set, is_heldout
 
     convs = chat_set(3)
     assert len(convs) == 3 and all(c[-1]["role"] == "user" for c in convs)

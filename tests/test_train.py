@@ -39,7 +39,7 @@ def compose_cfg(*overrides):
 def test_every_recipe_file_composes_and_instantiates(group, name, tmp_path):
     cfg = compose_cfg(f"{group}={name}", f"out_dir={tmp_path}")
     OmegaConf.resolve(cfg)
-    from draftsmith.train.build import DraftConfig
+    from draftsmith.drafts.build import DraftConfig
     from draftsmith.train.tracking import loggers
 
     built = loggers(cfg)  # every logger entry is built by its _target_
@@ -84,7 +84,7 @@ def test_recipe_overrides_reach_the_config():
 def test_draft_is_shallow_and_wide_from_the_targets_config():
     from transformers import LlamaConfig
 
-    from draftsmith.train.build import DraftConfig, draft_config_for
+    from draftsmith.drafts.build import DraftConfig, draft_config_for
 
     paper_target = LlamaConfig(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                                intermediate_size=28672, vocab_size=32000)
@@ -104,8 +104,8 @@ def test_draft_is_shallow_and_wide_from_the_targets_config():
 def test_a_draft_built_from_the_targets_files_equals_one_built_from_the_loaded_target():
     """A rank that holds no target builds its draft from the target's safetensors, read by name (tied head
     included); every rank starts from the same weights as the one that loaded the model."""
+    from draftsmith.drafts.build import DraftConfig, TargetWeights, build_draft
     from draftsmith.sampling.load import load_model
-    from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
 
     cfg = DraftConfig(layers=2, width_ratio=1.0, init="target", init_layers=[0, 2])
     loaded = build_draft(load_model("tiny-random", "fp32"), cfg).state_dict()
@@ -120,7 +120,7 @@ def test_training_changes_the_draft_and_never_the_target(tmp_path):
     never enter the checkpoint."""
     from conftest import tiny_llama
 
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
@@ -147,9 +147,9 @@ def test_kept_teacher_logits_spare_the_target_after_the_first_epoch(tmp_path):
     and the losses follow the full teacher's (k = V - 1 leaves out one token's mass, fp16 rounds the rest)."""
     from conftest import tiny_llama
 
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.data.teacher import TeacherCache
+    from draftsmith.drafts.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.teacher import TeacherCache
 
     blocks = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
     losses = {}
@@ -173,13 +173,13 @@ def test_a_pruned_head_trains_over_its_tokens_only_and_loads_pruned(tmp_path):
     """draft.draft_vocab for an independent draft: the step computes only the head's rows (same numbers as the
     full head's), the teacher's kept logits come out in the head's order, validation runs the pruned draft, and
     the saved draft loads with that head (its other rows were never fitted), a damaged head file refused."""
+    from draftsmith.data.teacher import TeacherCache
+    from draftsmith.drafts.batch import Batch, HeadRows
+    from draftsmith.drafts.build import DraftConfig, build_draft
+    from draftsmith.drafts.saved import save_draft
     from draftsmith.sampling.load import load_model, load_tokenizer
     from draftsmith.sampling.pruned import HEAD_TOKENS, PrunedHeadDraft
-    from draftsmith.train.build import DraftConfig, build_draft
     from draftsmith.train.module import DraftModule
-    from draftsmith.train.onpolicy import Batch, HeadRows
-    from draftsmith.train.saved import save_draft
-    from draftsmith.train.teacher import TeacherCache
 
     target = tiny_llama(vocab=32, layers=2, hidden=32, seed=0, logit_scale=3.0)
     draft = build_draft(target, DraftConfig(layers=1, width_ratio=1.0, init="target", freeze_embeddings=True))
@@ -246,7 +246,7 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
 
 
 def test_a_draft_continues_from_a_saved_one(tmp_path):
-    from draftsmith.train.build import DraftConfig, build_draft
+    from draftsmith.drafts.build import DraftConfig, build_draft
 
     target = tiny_llama(vocab=64, layers=4)
     cfg = dict(layers=2, width_ratio=1.0, init="target", freeze_embeddings=True)
@@ -365,8 +365,8 @@ def test_unwritable_output_dir_is_refused(tmp_path):
 
 
 def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
+    from draftsmith.data.corpus import load_blocks
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.corpus import load_blocks
 
     tok = load_tokenizer("tiny-random")
     texts = [f"def f{i}(x):\n    return x * {i}\n" * 20 for i in range(40)]
@@ -388,8 +388,8 @@ def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
 
 
 def test_generated_corpus_is_resumable(tmp_path):
+    from draftsmith.data.corpus import generate_corpus
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus
 
     tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
     path = tmp_path / "gen.jsonl"
@@ -406,8 +406,8 @@ def test_generated_corpus_is_resumable(tmp_path):
 
 
 def test_generated_corpus_stops_at_its_time_limit_and_a_rerun_continues_to_the_same_file(tmp_path):
+    from draftsmith.data.corpus import generate_corpus
     from draftsmith.sampling.load import load_model, load_tokenizer
-    from draftsmith.train.corpus import generate_corpus
 
     tok, target = load_tokenizer("tiny-random"), load_model("tiny-random", "fp32")
     prompts = ["def a():", "import os", "class B:"]

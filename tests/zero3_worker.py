@@ -10,10 +10,10 @@ import deepspeed
 import torch
 from conftest import tiny_llama
 
+from draftsmith.drafts.batch import Batch
 from draftsmith.train.callbacks import standalone
 from draftsmith.train.losses import draft_loss
 from draftsmith.train.module import DraftModule
-from draftsmith.train.onpolicy import Batch
 
 out = Path(sys.argv[1])
 deepspeed.init_distributed(dist_backend="gloo")

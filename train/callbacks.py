@@ -10,15 +10,15 @@ import lightning as L
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.drafts.batch import Batch
+from draftsmith.drafts.evaluate import alpha_on_samples, target_samples
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cost import expected_tokens_per_call, measure_costs, predicted_speedup
-from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.machine import atomic_path, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.pruned import PrunedHeadDraft
-from draftsmith.train.evaluate import alpha_on_samples, target_samples
-from draftsmith.train.onpolicy import Batch
+from draftsmith.sampling.stats import TAU
 from draftsmith.train.rundir import sharded
 from draftsmith.train.tracking import log_tables
 

@@ -11,9 +11,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from draftsmith.data.generation import CORPUS_ENGINES
+from draftsmith.data.rows import line_count, rows_digest
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import read_json, write_json
-from draftsmith.train.generation import CORPUS_ENGINES
 from draftsmith.train.launch import Launch, detect, rank0_gone
 
 DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on, fixed at its first start
@@ -22,21 +23,6 @@ DATA_RECORD = "data.json"  # in the run directory: the corpus this run trains on
 def first_rank() -> bool:
     """Rank 0 of the whole job, before any process group exists, however it was launched (train/launch.py)."""
     return detect().first
-
-
-def line_count(path: Path) -> int:
-    """Rows of a JSONL (the file is closed after; a row torn mid-write has no newline and does not count)."""
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.endswith(b"\n"))
-
-
-def rows_digest(path: Path, rows: int) -> str:
-    """sha256 of the first `rows` lines of a JSONL: which samples a run trains on, whatever is appended later."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for _ in range(rows):
-            h.update(f.readline())
-    return h.hexdigest()
 
 
 def prepared_once(out_dir: Path, prepare, timeout_s: float, launch: Launch | None = None,
@@ -95,7 +81,7 @@ def _one(items: list):
 
 
 def chat_loaders(blocks: dict, cfg) -> tuple[DataLoader, DataLoader]:
-    """data=chat: each item is a whole padded batch (train/chat.py `chat_batches`), the batches in an epoch order
+    """data=chat: each item is a whole padded batch (data/chat.py `chat_batches`), the batches in an epoch order
     of their own (so DataOrder's resume skips whole batches: its batch size is 1 item)."""
     train = DataLoader(blocks["train"], batch_size=1, collate_fn=_one, drop_last=True,
                        sampler=EpochOrder(len(blocks["train"]), cfg.seed), num_workers=cfg.data.num_workers)
@@ -152,15 +138,6 @@ class DataOrder(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.batches, self._resume = state["batches"], state
-
-
-def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Openings of held-out blocks (never trained on) as sampler prompts: (n, prompt_tokens) ids and mask."""
-    val = blocks["val"]
-    n = min(n, len(val))
-    idx = torch.linspace(0, len(val) - 1, n).long()
-    ids = val[idx, :prompt_tokens].clone()
-    return ids, torch.ones_like(ids)
 
 
 def check_data(cfg, tokenizer) -> None:

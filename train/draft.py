@@ -30,6 +30,23 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from draftsmith.data import chatcorpus
+from draftsmith.data.chat import padding_share
+from draftsmith.data.corpus import (
+    generate_corpus,
+    load_blocks,
+    pair_rows,
+    prefill_labels,
+    prefill_teacher,
+    sampled_rows,
+)
+from draftsmith.data.generation import EngineCheck, choose_engine, measure_engines
+from draftsmith.data.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts, validation_prompts
+from draftsmith.data.rows import line_count, rows_digest
+from draftsmith.data.teacher import TeacherCache
+from draftsmith.drafts.build import DraftConfig, TargetWeights, build_draft
+from draftsmith.drafts.feature import build_feature_draft
+from draftsmith.engines import vllm
 from draftsmith.sampling.feature import FeatureConfig
 from draftsmith.sampling.load import load_model, load_tokenizer
 from draftsmith.sampling.machine import cache_home
@@ -38,32 +55,16 @@ from draftsmith.sampling.precision import resolve as resolve_dtype
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import pad_id, prompt_rows
 from draftsmith.sampling.pruned import top_tokens
-from draftsmith.train import budget, chatcorpus, schema
-from draftsmith.train.build import DraftConfig, TargetWeights, build_draft
+from draftsmith.train import budget, schema
 from draftsmith.train.callbacks import AcceptanceCallback
-from draftsmith.train.chat import padding_share
-from draftsmith.train.corpus import (
-    generate_corpus,
-    load_blocks,
-    pair_rows,
-    prefill_labels,
-    prefill_teacher,
-    sampled_rows,
-)
 from draftsmith.train.data import (
     DataOrder,
     blocks_digest,
     chat_loaders,
     check_data,
-    line_count,
     loaders,
     prepared_once,
-    rows_digest,
-    validation_prompts,
 )
-from draftsmith.engines import vllm
-from draftsmith.train.feature import build_feature_draft
-from draftsmith.train.generation import EngineCheck, choose_engine, measure_engines
 from draftsmith.train.launch import (
     Launch,
     agree,
@@ -77,11 +78,9 @@ from draftsmith.train.launch import (
 from draftsmith.train.module import DraftModule
 from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.progress import RunProgress
-from draftsmith.train.prompts import on_target_prompts, prompt_tensor, prompt_texts, split_prompts
 from draftsmith.train.report import final_report, print_report
 from draftsmith.train.rundir import AtomicCheckpointIO, check_writable, claim_run_dir, resume_checkpoint
 from draftsmith.train.strategy import build_strategy
-from draftsmith.train.teacher import TeacherCache
 from draftsmith.train.tracking import log_config, log_draft, loggers
 
 schema.register()  # recipes/draft.yaml starts from it: registered before Hydra composes
@@ -130,7 +129,7 @@ def train(cfg: DictConfig) -> dict:
         return target
 
     # 2. The corpus, tokenized with the target's tokenizer (optionally sampled from the target itself).
-    chat = cfg.data.get("format") == "chat"  # conversations, one a sample (train/chatcorpus.py)
+    chat = cfg.data.get("format") == "chat"  # conversations, one a sample (data/chatcorpus.py)
     data = prepared_once(out_dir, lambda: chatcorpus.prepare(cfg, tok, teacher, _corpus_dir(cfg, out_dir, launch),
                                                              engine=_chat_engine(cfg, teacher, tok))
                          if chat else _prepare_corpus(cfg, teacher, tok, file_prompts, target_config,
@@ -437,11 +436,20 @@ def _draft_config(cfg) -> DraftConfig:
 
 
 def _plan(cfg) -> dict:
+    from draftsmith.drafts.build import draft_config_for
     from draftsmith.sampling.load import config_of
-    from draftsmith.train.build import draft_config_for
     from draftsmith.train.losses import DIVERGENCES
-    from draftsmith.train.plan import DEFAULT_DEVICE_GIB, GIB, STRATEGIES, costs, feature_head_config, fits_smaller, \
-        plan, print_costs, print_plan
+    from draftsmith.train.plan import (
+        DEFAULT_DEVICE_GIB,
+        GIB,
+        STRATEGIES,
+        costs,
+        feature_head_config,
+        fits_smaller,
+        plan,
+        print_costs,
+        print_plan,
+    )
 
     draft_cfg = _draft_config(cfg)
     feature = draft_cfg.kind == "feature_head"

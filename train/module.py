@@ -9,14 +9,15 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 
+from draftsmith.data.teacher import TeacherCache
+from draftsmith.drafts.batch import Batch, HeadRows
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.train.losses import draft_loss
 from draftsmith.train.objective import FeatureObjective, IndependentObjective
-from draftsmith.train.onpolicy import Batch, HeadRows, OnPolicy
+from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.rundir import partitioned
-from draftsmith.train.teacher import TeacherCache
 
 
 class DraftModule(L.LightningModule):

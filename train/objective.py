@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.sampling.pruned import PrunedHeadDraft
-from draftsmith.sampling.rejection import teacher_forced_acceptance
-from draftsmith.train.feature import (
+from draftsmith.drafts.batch import Batch
+from draftsmith.drafts.feature import (
     feature_alpha,
     feature_batch,
     noisy_features,
@@ -19,7 +18,8 @@ from draftsmith.train.feature import (
     teacher_pass,
     unrolled,
 )
-from draftsmith.train.onpolicy import Batch
+from draftsmith.sampling.pruned import PrunedHeadDraft
+from draftsmith.sampling.rejection import teacher_forced_acceptance
 
 
 class IndependentObjective:
@@ -83,7 +83,7 @@ class IndependentObjective:
             return parts[0] if len(parts) == 1 else torch.cat(parts)  # cat copies even one part: a (B, P, V) copy
 
     def _unknown(self, m, b: Batch, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """(B (T-1),) bool, on the host: label positions of kept blocks that have no teacher (train/teacher.py
+        """(B (T-1),) bool, on the host: label positions of kept blocks that have no teacher (data/teacher.py
         `known`)."""
         if m.teacher_cache is None or rows is None:
             return None

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.drafts.build import truncated_target
+from draftsmith.drafts.evaluate import CHAT_SET, acceptance_by_set
+from draftsmith.drafts.plots import plot_report
+from draftsmith.drafts.saved import draft_from_checkpoint, save_draft
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
-from draftsmith.sampling.stats import TAU
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import PrunedHeadDraft
-from draftsmith.train.build import truncated_target
-from draftsmith.train.evaluate import CHAT_SET, acceptance_by_set
-from draftsmith.train.plots import plot_report
+from draftsmith.sampling.stats import TAU
 from draftsmith.train.rundir import sharded
-from draftsmith.train.saved import draft_from_checkpoint, save_draft
 
 
 def chat_of(cfg) -> dict | None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import atomic_path
-from draftsmith.train.diskfull import disk_full
 from draftsmith.train.launch import detect
 
 

@@ -1,7 +1,7 @@
 """The config's schema: Hydra checks every override against these dataclasses (ConfigStore) before any work, so a
 misspelt key (`data.blocksize=1`, `+optim.lrr=1`) or a wrong type (`data.block_size=big`) is refused in one line
 (`preflight`, before Hydra composes) naming the keys or the choices that exist. The draft's group is the draft's
-own dataclass (`train/build.py` DraftConfig, which checks its values); data and loss have theirs here. Groups whose
+own dataclass (`drafts/build.py` DraftConfig, which checks its values); data and loss have theirs here. Groups whose
 keys are another component's (a Lightning trainer's, a logger's `_target_` arguments) stay open."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from draftsmith.drafts.build import DraftConfig
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.build import DraftConfig
 from draftsmith.train.plan import DECODE_MFU, PEAK_TFLOPS, TRAIN_MFU
 
 
@@ -102,7 +102,7 @@ class Data:
     prompts: str | None = None
     chat_template: bool = False
     generated: Generated = field(default_factory=Generated)
-    # data=chat (recipes/data/chat.yaml says what each key does; train/chatcorpus.py)
+    # data=chat (recipes/data/chat.yaml says what each key does; data/chatcorpus.py)
     format: str = "text"  # text | chat
     fields: dict[str, str] | None = None
     regenerate: bool = True

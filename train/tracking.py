@@ -5,21 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from draftsmith.sampling.machine import write_text
-
-
-def _wandb_mode(mode: str) -> str:
-    """auto: online only when a key is configured (env or netrc); offline otherwise, so it never blocks."""
-    if mode != "auto":
-        return mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = Path.home() / ".netrc"
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "online"
-    return "offline"
+from draftsmith.sampling.machine import wandb_mode, write_text
 
 
 def loggers(cfg, out_dir: Path | None = None) -> list:
@@ -34,10 +20,10 @@ def loggers(cfg, out_dir: Path | None = None) -> list:
 def wandb_logger(save_dir, project: str = "draftsmith", entity: str | None = None, group: str | None = None,
                  tags=(), mode: str = "auto", **kwargs):
     """Lightning's WandbLogger for the run directory `save_dir`: its id kept there (a resumed run logs to the same
-    W&B run), the mode resolved so it never blocks (`_wandb_mode`); None when disabled."""
+    W&B run), the mode resolved so it never blocks (`wandb_mode`); None when disabled."""
     from lightning.pytorch.loggers import WandbLogger
 
-    mode = _wandb_mode(mode)
+    mode = wandb_mode(mode)
     if mode == "disabled":
         return None
     os.environ["WANDB_MODE"] = mode  # WandbLogger(offline=True) would set the legacy "dryrun" instead

@@ -44,7 +44,7 @@ def main(argv=None, prog=None) -> int:
     ap.add_argument("--device", default=default_device(), help="where both models run (default: %(default)s)")
     ap.add_argument("--json", help="write the table here too")
     args = ap.parse_args(argv)
-    from draftsmith.train.evaluate import CHAT_SET, alpha_on_samples, chat_prompts, target_samples
+    from draftsmith.drafts.evaluate import CHAT_SET, alpha_on_samples, chat_prompts, target_samples
 
     try:
         sources = [locate_draft(d) for d in artifact_of(args, required=True)]

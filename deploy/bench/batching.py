@@ -1,4 +1,4 @@
-"""Chat samples batched per sample (length-bucketed padding, train/chat.py) against today's packing, in real
+"""Chat samples batched per sample (length-bucketed padding, data/chat.py) against today's packing, in real
 (non-padding) tokens per second of a draft's training step (forward, cross-entropy, backward, AdamW step).
 
     draftsmith bench batching                               # 400 ShareGPT conversations, the demo target's template
@@ -34,9 +34,9 @@ def main(argv=None, prog=None) -> int:
 
     from transformers import AutoConfig, LlamaForCausalLM
 
+    from draftsmith.data.chat import chat_batches, cut, padding_share, render
+    from draftsmith.data.conversations import read_conversations
     from draftsmith.sampling.load import load_tokenizer, resolve
-    from draftsmith.train.chat import chat_batches, cut, padding_share, render
-    from draftsmith.train.conversations import read_conversations
 
     tok = load_tokenizer(a.target)
     convs = read_conversations("sharegpt", limit=a.conversations, quiet=True)

@@ -14,12 +14,12 @@ import argparse
 import sys
 import time
 
+from draftsmith.data.generation import own_batches
+from draftsmith.engines import vllm
 from draftsmith.sampling.cli import examples
 from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
 from draftsmith.sampling.machine import machine, write_json
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
-from draftsmith.engines import vllm
-from draftsmith.train.generation import own_batches
 
 
 def main(argv=None, prog=None) -> int:

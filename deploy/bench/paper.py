@@ -45,7 +45,7 @@ def pruned_draft(draft, draft_dir: Path, tok, n: int):
     try:
         return prune_from_dir(draft, draft_dir, n, [tok.eos_token_id])
     except FileNotFoundError:  # a run that predates saved counts: recount the default corpus (cached)
-        from draftsmith.train.corpus import load_blocks
+        from draftsmith.data.corpus import load_blocks
 
         print("token counts not in the draft dir: counting the stdlib corpus", file=sys.stderr)
         counts = torch.bincount(load_blocks("stdlib", tok, 256)["train"].flatten(), minlength=len(tok))

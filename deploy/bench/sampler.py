@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from draftsmith.drafts.build import truncated_target
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.compiled import compile_report
@@ -34,7 +35,6 @@ from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
 from draftsmith.sampling.machine import default_device, now, seeded, write_json
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.stats import TAU, summary
-from draftsmith.train.build import truncated_target
 
 PROMPTS = [
     "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",
@@ -89,7 +89,7 @@ def main(argv=None, prog=None) -> int:
              else truncated_target(target, args.cut_layers).to(target.dtype).eval().requires_grad_(False))
     drafts = {"draft" if args.draft else "cut": first}
     if args.paper_draft:
-        from draftsmith.train.build import DraftConfig, build_draft
+        from draftsmith.drafts.build import DraftConfig, build_draft
 
         drafts["paper"] = build_draft(target, DraftConfig()).to(target.dtype).eval().requires_grad_(False)
     if args.self_draft:

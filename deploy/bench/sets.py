@@ -4,7 +4,7 @@ target's chat template turns into prompts. Named for what they are, and never tr
 - `code`: the shipped code evaluation prompts (recipes/prompts/code.jsonl), each asked as "complete this code";
 - `math`: short arithmetic word problems written for draftsmith (recipes/prompts/math.jsonl), not GSM8K; or a file
   the user names (`--prompts my_math.jsonl`: one JSON object a line with a `prompt` or a `messages` list);
-- `chat`: the held-out split of the ShareGPT conversations (`draftsmith.train.conversations.heldout_chat_set`) that
+- `chat`: the held-out split of the ShareGPT conversations (`draftsmith.data.conversations.heldout_chat_set`) that
   have a second user turn, measured over two turns: turn 1 is the first user message; turn 2 is turn 1, the
   engine's OWN turn-1 answer (not the dataset's), then the conversation's next user message (`second_turns`,
   `turn_two`), as a served chat goes on. A `messages` .jsonl file with second user turns gets turn 2 the same way.
@@ -89,7 +89,7 @@ def chat_set(n: int) -> list[list[dict]]:
 def _chat(n: int) -> list[list[dict]]:
     """The first `n` held-out conversations with two user turns or more (imported here, where it is used, so that
     the code and math sets need no ShareGPT download)."""
-    from draftsmith.train.conversations import heldout_chat_set
+    from draftsmith.data.conversations import heldout_chat_set
 
     return heldout_chat_set(n, user_turns=2)
 

@@ -25,7 +25,7 @@ from draftsmith.sampling.cli import examples
 
 
 def one(blocks: int, positions: int, k: int, features: int, vocab: int, batch: int) -> dict:
-    from draftsmith.train.teacher import TeacherCache
+    from draftsmith.data.teacher import TeacherCache
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

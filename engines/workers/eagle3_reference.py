@@ -43,11 +43,10 @@ def vocab_map(seed: int):
 
 
 def speculators_head(out: Path, flags: dict, features, input_ids):
-    from transformers import LlamaConfig
-
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
 
     layer = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS,
                         num_key_value_heads=KV, head_dim=HEAD_DIM, num_hidden_layers=1, rms_norm_eps=1e-5,
@@ -74,9 +73,8 @@ def speculators_head(out: Path, flags: dict, features, input_ids):
 
 
 def specforge_head(out: Path, flags: dict, features, input_ids):
-    from transformers import LlamaConfig
-
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
 
     target_hidden = features.shape[-1] // 3
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS,

@@ -1,6 +1,6 @@
 """The engines that sample the target's corpus (`data.generated.engine`), behind one interface: each yields the
 work in batches of (first row, prompt ids, sampled tokens per row, the kept-logits record or None), and
-`train/corpus.py` writes every batch to the same store, whichever engine drew it (and the seconds it took).
+`data/corpus.py` writes every batch to the same store, whichever engine drew it (and the seconds it took).
 
 - `draftsmith`: our sampler's plain loop (`autoregressive_generate`), in this process; it also keeps a feature
   draft's features (the hidden states it reads), which no serving engine hands out.
@@ -11,7 +11,7 @@ work in batches of (first row, prompt ids, sampled tokens per row, the kept-logi
 - `auto`: the faster of the two on this machine, measured once and cached (`choose_engine`).
 A corpus sampled elsewhere (`data.source=` prompt + completion pairs) comes in through `teacher_batches`: one
 teacher pass writes what the loop would have kept. Work whose next rows depend on the last ones' samples (a
-conversation's next turn holds the target's answer to the last: `train/chatcorpus.py` `regenerate`) asks for them
+conversation's next turn holds the target's answer to the last: `data/chatcorpus.py` `regenerate`) asks for them
 through `row_sampler`: the same batches, from our loop or from one vLLM started for all of them.
 """
 
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.teacher import half_features, top_logprobs
+from draftsmith.engines import vllm
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, pair_cells
 from draftsmith.sampling.machine import cache_home, machine_key, read_json, write_json
 from draftsmith.sampling.precision import dtype_name
 from draftsmith.sampling.probs import SamplingConfig
-from draftsmith.engines import vllm
-from draftsmith.train.teacher import half_features, top_logprobs
 
 CORPUS_ENGINES = ("draftsmith", "vllm", "auto")  # data.generated.engine
 def own_batches(target, rows: list[list[int]], batch_size: int, *, seed: int, first_row: int, max_new_tokens: int,
@@ -127,7 +127,7 @@ def label_batches(target, rows: list[list[int]], at: list[list[int]], batch_size
     """Token rows the target did not sample (a conversation, data=chat) through one batched teacher pass: the
     target's top-k log-probabilities at the positions `at` of each row (a position's logits are those its next
     token, the label trained on, is drawn from), in the record our loop keeps (`values`, `index` row-major, `steps`:
-    len(at) a row, `tokens`: the labels), so `train/corpus.py` writes them to the same store. Right-padded: a row
+    len(at) a row, `tokens`: the labels), so `data/corpus.py` writes them to the same store. Right-padded: a row
     from position 0, as training feeds it; causal attention keeps the padding out of every real position."""
     for start in range(0, len(rows), batch_size):
         chunk, where = rows[start: start + batch_size], at[start: start + batch_size]

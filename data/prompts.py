@@ -6,7 +6,15 @@ import torch
 
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.prompts import encode_prompts, load_prompts
-from draftsmith.train.data import validation_prompts
+
+
+def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Openings of held-out blocks (never trained on) as sampler prompts: (n, prompt_tokens) ids and mask."""
+    val = blocks["val"]
+    n = min(n, len(val))
+    idx = torch.linspace(0, len(val) - 1, n).long()
+    ids = val[idx, :prompt_tokens].clone()
+    return ids, torch.ones_like(ids)
 
 
 def prompt_texts(cfg, tokenizer, openings: torch.Tensor | None = None, use_file: bool = True) -> list[str]:

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.diskfull import disk_full
 
 
 class TeacherCache:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.drafts.batch import Batch
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import FeatureConfig, FeatureDraft, FeatureTap
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.rejection import teacher_forced_acceptance
-from draftsmith.train.onpolicy import Batch
 
 
 def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = None, token_counts=None,
@@ -100,7 +100,7 @@ def teacher_pass(target, layers: list[int], b: Batch) -> FeatureBatch:
 
 def feature_batch(b: Batch, logits: torch.Tensor, feats: torch.Tensor, known: torch.Tensor | None = None,
                   known_features: torch.Tensor | None = None) -> FeatureBatch:
-    """The draft's slots from the target's outputs on `b` (fresh from `target_outputs`, or kept: train/teacher.py);
+    """The draft's slots from the target's outputs on `b` (fresh from `target_outputs`, or kept: data/teacher.py);
     `logits` may already be over a pruned head's tokens only. Kept outputs may lack a teacher or a feature at some
     positions (`known`, `known_features`, (B, T-1)): slots there carry no loss, and a slot without its feature is
     hidden from the others' attention, as padding is (the sampler never drafts from a position the target skipped)."""

@@ -1,6 +1,6 @@
 """Write recipes/prompts/broad.jsonl: thousands of distinct generation prompts, code and English, for data=generated.
 
-    python -m draftsmith.train.prompt_sets    # rewrites recipes/prompts/broad.jsonl (shipped; rerun only to change it)
+    python -m draftsmith.data.prompt_sets    # rewrites recipes/prompts/broad.jsonl (shipped; rerun only to change it)
 
 Why: the default recipe samples the target for a fixed time, so on a slow CPU it reaches ~660 samples: from
 train.jsonl's 126 prompts that is five of each, from these 1351 it is 660 topics. (On an AMX Xeon, whose 14 minutes

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.drafts.batch import Batch
+from draftsmith.drafts.feature import feature_alpha
 from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
@@ -11,9 +13,6 @@ from draftsmith.sampling.machine import device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id, user_turn
 from draftsmith.sampling.rejection import teacher_forced_acceptance
-from draftsmith.train.feature import feature_alpha
-from draftsmith.train.onpolicy import Batch
-
 
 CHAT_SET = "chat"  # the held-out ShareGPT conversations' first turns, through the target's chat template
 CHAT_PROMPT_TOKENS = 256  # a chat prompt's most tokens: longer first turns are passed over, never cut (a template cut
@@ -44,8 +43,8 @@ def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int |
 def chat_prompts(tokenizer, n: int, enable_thinking: bool | None = None) -> list[str]:
     """The first `n` held-out ShareGPT first turns whose templated prompt holds at most CHAT_PROMPT_TOKENS tokens, as
     the template's text with the generation prompt (it holds its own special tokens)."""
-    from draftsmith.train.chat import template_text
-    from draftsmith.train.conversations import heldout_chat_set
+    from draftsmith.data.chat import template_text
+    from draftsmith.data.conversations import heldout_chat_set
 
     if not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError("the chat prompt set needs the target's chat template, and its tokenizer has none: use "

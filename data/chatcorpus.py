@@ -5,7 +5,7 @@
   validation prompts, `val/alpha_on_target` among them (the target's own answers, its tokens only scored).
 - `data.regenerate=true`: the target answers again, turn by turn, through its chat template, with its own earlier
   answers as context (`regenerate`), by the generated corpus' engine (data.generated.engine: our sampler's plain loop,
-  or vLLM judged by the same chi-square before anything is kept; `train/generation.py` row_sampler), every prompt
+  or vLLM judged by the same chi-square before anything is kept; `data/generation.py` row_sampler), every prompt
   rendered here by our tokenizer and template and handed over as token ids; at most `data.max_turns` assistant turns a
   conversation (what follows the last regenerated one is dropped: its context would no longer be what the target
   said), each at most `data.turn_max_new_tokens`. Written one conversation a line, resumable at conversation
@@ -13,7 +13,7 @@
 - `data.regenerate=false`: the conversations as they are (already the target's own answers, or the data to
   imitate).
 - `loss.teacher_topk=K` (`keep_teacher`): after that, one teacher pass keeps the target's top-K logits at every
-  assistant label of every training sample, in the generated corpus' store (train/corpus.py `keep_label_logits`:
+  assistant label of every training sample, in the generated corpus' store (data/corpus.py `keep_label_logits`:
   resumable, a full disk said in one line), so no training step runs the target. A feature draft reads the target's
   features at every context token, which this store does not keep: it keeps its pass in every step.
 The corpus is keyed by a fingerprint of the source's files, the tokenizer and these settings, under the run's corpus
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.chat import PROMPT_TOO_LONG, chat_batches, cut, last_turn_only, render, show, template_text
+from draftsmith.data.conversations import Conversation, Fields, is_heldout, read_conversations, source_files
+from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.train.chat import PROMPT_TOO_LONG, chat_batches, cut, last_turn_only, render, show, template_text
-from draftsmith.train.conversations import Conversation, Fields, is_heldout, read_conversations, source_files
-from draftsmith.train.diskfull import disk_full
 
 
 def fields_of(cfg) -> Fields:
@@ -104,7 +104,7 @@ def prepare(cfg, tok, teacher, home: Path, progress: bool = True, engine=None) -
                temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, seed=cfg.seed, progress=progress,
                max_seconds=None if g.max_minutes is None else 60 * g.max_minutes, max_prompt_tokens=d.block_size - 1,
                **kw)
-    from draftsmith.train.data import line_count, rows_digest
+    from draftsmith.data.rows import line_count, rows_digest
 
     rows = line_count(path)
     record = {"source": str(path), "documents": rows, "rows": rows, "sha256": rows_digest(path, rows),
@@ -129,8 +129,8 @@ def keep_teacher(cfg, tok, teacher, home: Path, record: dict, progress: bool = T
     k = kept_topk(cfg)
     if not k:
         return record
+    from draftsmith.data.corpus import keep_label_logits
     from draftsmith.sampling.prompts import pad_id
-    from draftsmith.train.corpus import keep_label_logits
 
     rows = label_rows(training_samples(cfg, tok, record, Counter()))
     h = hashlib.sha256(json.dumps([cfg.target.name, str(cfg.target.dtype), k]).encode())
@@ -165,12 +165,12 @@ def regenerate(target, tok, convs: list[Conversation], out_path: Path, *, enable
     turn regenerated is written with `regenerated` 0 and left out of training. Every prompt is rendered here, by our
     tokenizer and the target's template, whichever engine samples it (`engine`: `draftsmith`, our loop on `target`;
     `vllm`, started once for the whole file and judged before anything is kept, `engine_kw` its settings:
-    train/generation.py `row_sampler`)."""
+    data/generation.py `row_sampler`)."""
     from tqdm import tqdm
 
+    from draftsmith.data.corpus import _complete_rows
+    from draftsmith.data.generation import row_sampler
     from draftsmith.sampling.prompts import pad_id
-    from draftsmith.train.corpus import _complete_rows
-    from draftsmith.train.generation import row_sampler
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +273,7 @@ def _samples(cfg, tok, convs, counts: Counter) -> list:
 
 
 def training_samples(cfg, tok, record: dict, counts: Counter) -> list:
-    """The prepared corpus' training samples (train/chat.py `Sample`), in the order `chat_blocks` numbers them."""
+    """The prepared corpus' training samples (data/chat.py `Sample`), in the order `chat_blocks` numbers them."""
     if record.get("rows") is None:
         train, _ = split(cfg)
     else:
@@ -283,7 +283,7 @@ def training_samples(cfg, tok, record: dict, counts: Counter) -> list:
 
 def chat_blocks(cfg, tok, record: dict) -> dict:
     """{"train": [batch], "val": [batch], "prompts": (ids, mask), "counts": Counter, "samples": [Sample]} of the
-    prepared corpus: every conversation rendered, cut to data.block_size, batched per sample (train/chat.py); a
+    prepared corpus: every conversation rendered, cut to data.block_size, batched per sample (data/chat.py); a
     batch's "rows" index `samples`."""
     d, s = cfg.data, cfg.sampler
     _, held = split(cfg)
@@ -298,7 +298,7 @@ def chat_blocks(cfg, tok, record: dict) -> dict:
         print(f"draftsmith: {n} conversation{'s' * (n != 1)}: {kind}", file=sys.stderr)
     prompts = [template_text(tok, c.messages[: next(k for k, m in enumerate(c.messages) if m["role"] == "assistant")],
                              True, d.enable_thinking) for c in held]
-    from draftsmith.train.prompts import prompt_tensor
+    from draftsmith.data.prompts import prompt_tensor
 
     return {"train": chat_batches(train_s, d.batch_size, pad, seed=cfg.seed),
             "val": chat_batches(val_s, d.batch_size, pad, seed=cfg.seed)[: max(1, d.val_blocks // d.batch_size)],

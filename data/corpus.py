@@ -24,10 +24,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.load import stdlib_sources
 from draftsmith.sampling.machine import atomic_path, cache_home
-from draftsmith.train.diskfull import disk_full
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -250,16 +250,16 @@ def generate_corpus(target, tokenizer, prompts: list[str], out_path: str | Path,
     token are kept beside the file (`logits_dir`), so training needs no teacher pass over these samples; with
     `keep_features` (a feature draft's target layers) also the hidden states entering them at every position the
     target ran on (the prompt's and each sampled token's but the last): all a feature draft reads (EAGLE's offline
-    mode, at no extra target pass). `engine` (train/generation.py): `draftsmith` samples with our loop in this
+    mode, at no extra target pass). `engine` (data/generation.py): `draftsmith` samples with our loop in this
     process, `vllm` in vLLM (`target_name` is what it loads, in `dtype`, the target's; `target` may then be None: it
     is not needed to sample, and on a GPU loads after vLLM's start; `check`, an `EngineCheck`, judges it first;
     features are not kept: a feature draft's teacher pass computes them in training). With `completions` (one per
     prompt, sampled elsewhere) nothing is sampled: one teacher pass keeps what the loop would have kept for them."""
     from tqdm import tqdm
 
-    from draftsmith.sampling.prompts import pad_id, prompt_rows
+    from draftsmith.data.generation import own_batches, teacher_batches
     from draftsmith.engines import vllm
-    from draftsmith.train.generation import own_batches, teacher_batches
+    from draftsmith.sampling.prompts import pad_id, prompt_rows
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +338,7 @@ def keep_label_logits(target, rows: list[dict], out_path: str | Path, *, keep_lo
     one line with what was written kept."""
     from tqdm import tqdm
 
-    from draftsmith.train.generation import label_batches
+    from draftsmith.data.generation import label_batches
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,7 +385,7 @@ def logits_dir(path: Path) -> Path:
 
 
 def _write_logits(path: Path, first_row: int, record: dict) -> None:
-    """A batch's kept logits (train/generation.py: `values`, `index` row-major, `steps` per row, `tokens`, so a reader
+    """A batch's kept logits (data/generation.py: `values`, `index` row-major, `steps` per row, `tokens`, so a reader
     can check that a file of logits belongs to the rows the JSONL holds now; with features also `features`,
     `positions`, `layers`) as one file beside the sample file, written atomically."""
     with atomic_path(logits_dir(path) / f"{first_row:09d}.safetensors") as tmp:
@@ -468,7 +468,7 @@ def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None
 
 def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None,
                     chunk_bytes: int = 256 << 20, min_known: float = 0.5) -> int:
-    """Fill `cache` (train/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
+    """Fill `cache` (data/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
     `src` points at (`load_blocks`' train_src): its logits where it sampled a token, and with `layers` its features
     wherever it ran. Blocks go through in chunks of about `chunk_bytes` of the cache's records, each reading only
     the entries it points at, so memory stays flat however large the corpus. A block with fewer than `min_known` of
@@ -513,7 +513,7 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
 
 
 def prefill_labels(cache, path: Path, rows: list[dict], samples: list[list[int]], chunk_bytes: int = 256 << 20) -> int:
-    """Fill `cache` (one block a sample, train/teacher.py) from `keep_label_logits`' store at `path`: sample i takes
+    """Fill `cache` (one block a sample, data/teacher.py) from `keep_label_logits`' store at `path`: sample i takes
     row i's kept logits at its positions `at` (the rest of it is known to have none: no loss is taken there); a
     sample whose row is missing or holds other tokens is left to the teacher pass. In chunks of about `chunk_bytes`
     of the cache's records. Returns the samples filled."""
