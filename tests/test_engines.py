@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import required
+from helpers import missing_resource
 
 from draftsmith.deploy.conformance import Setting, check, open_bundle
 from draftsmith.engines.llamacpp import missing as llamacpp_missing
@@ -19,12 +19,22 @@ from draftsmith.sampling.errors import DraftsmithError
 pytestmark = [pytest.mark.demo, pytest.mark.slow, pytest.mark.engine]
 
 
-def installed(engine: str, missing: str | None):
-    """Skip when the engine cannot run here (it is optional), saying why and how to install it; where
-    DRAFTSMITH_REQUIRE names it (CI), a missing engine is a failure instead (tests/helpers.py `required`)."""
-    if missing and required(engine):
-        pytest.fail(f"{engine} is required here (DRAFTSMITH_REQUIRE) but cannot run: {missing}")
-    return pytest.mark.skipif(bool(missing), reason=f"{engine}: {missing}")
+@pytest.fixture(scope="module")
+def vllm():
+    """vLLM runs here, or the test using this fixture is skipped saying how to install it; where DRAFTSMITH_REQUIRE
+    names it (CI) it fails instead (tests/helpers.py `missing_resource`): only the tests that need it, never the
+    collection of the whole suite."""
+    why = vllm_missing()
+    if why:
+        missing_resource("vllm", why)
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    """llama.cpp's server runs here; otherwise skipped, or failed where DRAFTSMITH_REQUIRE names it (see `vllm`)."""
+    why = llamacpp_missing()
+    if why:
+        missing_resource("llamacpp", why)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +72,7 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
     assert report["verdict"] == "pass", report["settings"]
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
     from draftsmith.engines.vllm import VllmEngine
 
@@ -78,7 +88,7 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
         sampled["detail"]
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(demo_bundle):
     """`draftsmith bench serve --engine vllm`, greedy (two engine starts: plain, then speculative): tau from its
     drafts and accepted counts, acceptance by position from its per-position counter, which must add up to the
@@ -108,7 +118,7 @@ def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(de
 KNOWN_VLLM_SAMPLING = {("cpu", "0.32.0"): "fail"}
 
 
-@installed("llamacpp", llamacpp_missing())
+@pytest.mark.usefixtures("llamacpp")
 def test_llamacpp_is_judged(demo_bundle):
     from draftsmith.engines.llamacpp import LlamaCppEngine
 
@@ -181,7 +191,7 @@ REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red b
            "def add(a, b):\n    return a + b\n", "The capital of France is"]
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, demo_target, tmp_path):
     """Greedy, the draft's proposals are a function of the features it reads, and this one's of layer 0's: where
     vLLM reads the layers the bundle names, its acceptance matches our sampler's on the same prompts; with the layer
@@ -216,7 +226,7 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, dem
     assert ignored_acceptance < ours["engine_acceptance"] - 0.3  # the planted fault is seen
 
 
-@installed("llamacpp", llamacpp_missing())
+@pytest.mark.usefixtures("llamacpp")
 def test_bench_serve_reads_tau_from_llamacpps_draft_totals_at_batch_1_and_2(demo_bundle):
     """`draftsmith bench serve --engine llamacpp`, greedy: tau from the server's per-request draft totals (draft_n,
     draft_n_accepted), within 1..K+1; at batch 2 the requests go to two server slots at once, each drafting; and the
@@ -238,7 +248,7 @@ def test_bench_serve_reads_tau_from_llamacpps_draft_totals_at_batch_1_and_2(demo
     assert rows[0]["new_tokens_plain"] == rows[0]["new_tokens_speculative"] > 0
 
 
-@installed("llamacpp", llamacpp_missing())
+@pytest.mark.usefixtures("llamacpp")
 def test_llamacpp_serves_a_feature_bundle_as_eagle3_on_the_layers_it_names(feature_bundle):
     """llama.cpp's own converter turns the feature draft (d2t kept) into an EAGLE3 GGUF, served with
     --spec-type draft-eagle3: greedy stays lossless, and its drafts are accepted about as often as in our sampler
@@ -278,7 +288,7 @@ def scattered_feature_bundle(demo_target, tmp_path_factory):
     return _layer0_feature_bundle(target, tok, counts, root)
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_vllm_maps_a_pruned_feature_heads_rows_through_d2t(scattered_feature_bundle, demo_target, tmp_path):
     """vLLM loads the exported d2t and proposes the tokens our sampler does: greedy output equal to plain decoding
     and acceptance matching ours. With d2t taken out of the weights (planted), vLLM still serves the bundle (row i
@@ -338,7 +348,7 @@ print(json.dumps({"class": type(c).__name__, "layers": c.eagle_aux_hidden_state_
 """
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classes(feature_bundle, tmp_path):
     """The feature draft's config.json is also a speculators eagle3 config: speculators' own config class reads it
     (layer ids, head, verifier, K) and vLLM's speculators reader turns it into its eagle3 settings. Both live in
@@ -371,7 +381,7 @@ def _sample_file(tmp_path, name):
     return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target, tmp_path, monkeypatch):
     """data.generated.engine=vllm: its plain sampling passes the chi-square against the target's exact probabilities
     first; two engines (data parallel) take the batches in turn; their samples land in our store (JSONL rows + kept
@@ -432,7 +442,7 @@ def test_vllm_samples_the_corpus_into_the_same_store_after_its_check(demo_target
     assert (tmp_path / "w.jsonl").read_text() == ""  # nothing kept from an engine that failed its check
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 def test_vllm_regenerates_chat_turn_by_turn_after_its_check(demo_target, tmp_path, monkeypatch):
     """data=chat data.generated.engine=vllm: vLLM is judged (the same chi-square as the generated corpus) before any
     conversation is kept, then answers turn 1 of a batch of conversations, and turn 2's prompts, rendered by our
@@ -525,7 +535,7 @@ print(path, draft._target_dtype(cfg), held[0].dtype)  # the last line of the out
 """
 
 
-@installed("vllm", vllm_missing())
+@pytest.mark.usefixtures("vllm")
 @pytest.mark.parametrize("ending", ["success", "error", "sigint"])
 def test_vllm_samples_at_the_default_precision_and_its_processes_end_with_the_run(tmp_path, ending):
     """data.generated.engine=vllm at the precision users run (bf16 here, where vLLM's samples failed the check
@@ -555,8 +565,11 @@ def test_vllm_samples_at_the_default_precision_and_its_processes_end_with_the_ru
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:  # vLLM's processes run in the run's directory: it marks them (their environment
         # is overwritten by their new names)
+        # SIGINT as a terminal delivers it: a shell's background job (CI started with `&`) ignores SIGINT, and its
+        # children inherit that, so the run gets Ctrl-C's default disposition back (tests/test_process_tree.py)
         run = subprocess.Popen([sys.executable, "-c", CORPUS_RUN, str(ROOT / "recipes"), ending], cwd=tmp_path,
-                               env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+                               env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         if ending == "sigint":
             t_end = time.monotonic() + 900
             while "draftsmith: vLLM" not in log.read_text() and run.poll() is None and time.monotonic() < t_end:
