@@ -92,8 +92,9 @@ def test_the_loops_wait_for_the_gpu_once_per_loop(generator):
     loop waits once per loop (its one read), plus a number of times per generation (the prompt's mask, the rows'
     tokens, the analytic acceptance at the end, and host-to-device copies the debug mode also counts), with a
     generator on the GPU or on the host (its draws copied over through pinned memory). The per-loop part is what
-    is bounded: two generations of different lengths differ by at most one wait per loop. The per-generation
-    constant is printed (scripts/gpu_check.sh shows it) for the first GPU run to settle, not guessed."""
+    is bounded: two generations of different lengths differ by at most one wait per loop, plus the copy made when
+    a row finishes before the other. The per-generation constant is printed (scripts/gpu_check.sh shows it) for the
+    first GPU run to settle, not guessed."""
     import warnings
 
     from conftest import tiny_llama
@@ -126,7 +127,12 @@ def test_the_loops_wait_for_the_gpu_once_per_loop(generator):
           f"{long_loops} loops: {len(long) - len(short)} more waits for {long_loops - short_loops} more loops, "
           f"{len(short) - short_loops} per generation")
     assert long_loops > short_loops
-    assert len(long) - len(short) <= long_loops - short_loops, long[:8]
+    # `_Rows.keep` (sampling/speculative.py) copies the live rows' index from the host to the device when a row
+    # finishes a loop before the others: a blocking copy the debug mode counts, at most once per row but the last
+    # (whose finish ends the generation). The 40-token run often has it and the 8-token run often not, so the
+    # difference may exceed one wait per loop by exactly those copies; the meta stand-in never counts a copy.
+    finished_row_copies = ids.shape[0] - 1
+    assert len(long) - len(short) <= long_loops - short_loops + finished_row_copies, long[:8]
 
 
 # -- the stand-in device -------------------------------------------------------------------------------------------
@@ -357,7 +363,7 @@ def test_a_bundles_draft_loads_back_onto_the_device(kind, tmp_path):
 
 
 def _tiny_random_dir():
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
 
     return resolve("tiny-random")
 
