@@ -10,7 +10,8 @@ through an SGLang server. Both read files, so one forward pass per row writes wh
   last decoder layer BEFORE the final norm (speculators applies the target's norm and head to it itself).
 - SpecForge (`--specforge DIR`): `DIR/{i:08d}.ckpt`, a torch.save of `input_ids`, `loss_mask`, `aux_hidden_state`
   [1, T, n_layers * H] (the same states) and `hidden_state` [1, T, H] AFTER the final norm (its target head is
-  the lm_head alone).
+  the lm_head alone): the aux states in its draft's dtype (`--specforge-dtype`: it does not cast them), the last
+  in bf16, the dtype its target head always runs in.
 
 Hooks on the decoder layers' outputs rather than `output_hidden_states`, whose last entry some transformers
 versions return after the final norm.
@@ -49,6 +50,8 @@ def main(argv=None) -> None:
     src.add_argument("--rows", help="a JSONL of {input_ids, loss_mask}")
     ap.add_argument("--speculators", help="write speculators' hs_{i}.safetensors here")
     ap.add_argument("--specforge", help="write SpecForge's {i:08d}.ckpt here")
+    ap.add_argument("--specforge-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="SpecForge feeds the stored aux states to its draft as they are: its draft's dtype")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
@@ -76,6 +79,7 @@ def main(argv=None) -> None:
     for p in outs:
         p.mkdir(parents=True, exist_ok=True)
     count = tokens = 0
+    sf_dtype = getattr(torch, args.specforge_dtype)
     with torch.inference_mode():
         for i, (ids, mask) in enumerate(_rows(args)):
             x = torch.tensor([ids], dtype=torch.long)
@@ -88,7 +92,8 @@ def main(argv=None) -> None:
                           str(Path(args.speculators) / f"hs_{i}.safetensors"))
             if args.specforge:
                 torch.save({"input_ids": x[0].clone(), "loss_mask": torch.tensor(mask, dtype=torch.long),
-                            "aux_hidden_state": torch.cat(aux, -1)[None].to(torch.bfloat16).clone(),
+                            "aux_hidden_state": torch.cat(aux, -1)[None].to(sf_dtype).clone(),
+                            # its target head is bf16 whatever the draft's dtype (TargetHead casts itself so)
                             "hidden_state": got["norm"][0][None].to(torch.bfloat16).clone()},
                            Path(args.specforge) / f"{i:08d}.ckpt")
             count, tokens = count + 1, tokens + len(ids)
