@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.load import stdlib_sources
 from draftsmith.sampling.machine import atomic_path, cache_home
+from draftsmith.sampling.names import stdlib_sources
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}
@@ -151,23 +151,68 @@ def _sampled_tokens(tokenizer, row: dict, r: int) -> tuple[list[int], list[int]]
     return ids, [r << _POS_BITS | p for p in range(len(ids))] + [-1]  # + the EOS that ends the document
 
 
+ROWS = ("stream", "sample", "packed")  # data.rows: how the training split's samples become rows (`load_blocks`)
+
+
 def blocks_cache(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
-                 text_field: str = "text", max_documents: int | None = None) -> Path:
+                 text_field: str = "text", max_documents: int | None = None, rows: str = "stream") -> Path:
     """Where `load_blocks` caches the blocks of these arguments (the corpus' files' sizes and times included)."""
-    key = _fingerprint(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents,
-                       "row-positions")  # train_src's format: pointers to (row, position), not (row, step)
+    parts = (block_size, val_fraction, seed, text_field, max_documents, "row-positions")  # train_src's format:
+    # pointers to (row, position), not (row, step); a layout other than the stream is a file of its own
+    key = _fingerprint(source, tokenizer, *parts, *(() if rows == "stream" else (f"rows={rows}",)))
     return cache_home() / "corpus" / f"{key}.safetensors"
+
+
+def _sample_rows(ids, src, block_size: int, eos: int, per_row: int | None) -> dict[str, torch.Tensor]:
+    """Whole samples as rows of `block_size` (data.rows=sample: one a row, `per_row`=1; packed: as many as fit,
+    first fit), right-padded with EOS. 'train_pos' holds each token's position in its own sample (0 at its first
+    token), -1 on padding: a packed row's positions restart at each sample, which transformers turns into one
+    causal mask per sample (its packed-sequence check on position ids). A sample longer than a row is cut to the
+    row: its tail, which would open another row without its prompt, is dropped."""
+    docs = [(list(d) + [eos])[:block_size] for d in ids]
+    srcs = [list(s)[:block_size] for s in src]
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, d in enumerate(docs):  # first fit, in the corpus' (shuffled) order
+        at = next((r for r, f in enumerate(free) if f >= len(d) and (per_row is None or len(rows[r]) < per_row)),
+                  None)
+        if at is None:
+            rows.append([])
+            free.append(block_size)
+            at = len(rows) - 1
+        rows[at].append(i)
+        free[at] -= len(d)
+    out = {name: torch.full((len(rows), block_size), fill, dtype=torch.long)
+           for name, fill in (("train", eos), ("train_src", -1), ("train_pos", -1))}
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(docs[i])
+            out["train"][r, col: col + n] = torch.tensor(docs[i])
+            out["train_src"][r, col: col + n] = torch.tensor(srcs[i])
+            out["train_pos"][r, col: col + n] = torch.arange(n)
+            col += n
+    return out
 
 
 def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0.03, seed: int = 0,
                 text_field: str = "text", max_documents: int | None = None, min_val_blocks: int = 2,
-                min_train_blocks: int = 8) -> dict[str, torch.Tensor]:
+                min_train_blocks: int = 8, rows: str = "stream") -> dict[str, torch.Tensor]:
     """{'train': (N, block_size), 'val': (M, block_size)} LongTensors, cached under $DRAFTSMITH_HOME/corpus; for a
     `generate_corpus` file also 'train_src' (N, block_size): where each position's kept target logits are
-    (`prefill_teacher`)."""
+    (`prefill_teacher`).
+
+    `rows` (data.rows) lays out the training split: `stream` joins every sample with EOS into one stream cut into
+    blocks (a ~215-token sample straddles two 256-token blocks, so a block's first positions lack their prompt, while
+    the target's kept logits were computed with it); `sample` puts each sample in a row of its own from position
+    0, `packed` as many whole samples as fit in a row, positions restarting per sample (speculators' packing). Both
+    add 'train_pos' (`_sample_rows`) and need a corpus of samples (data=generated, or prompt + completion pairs).
+    The held-out split stays a stream in every layout, so val/alpha_analytic compares across layouts."""
     if block_size < 2:
         raise DraftsmithError(f"data.block_size must be >= 2, got {block_size}")
-    path = blocks_cache(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents)
+    if rows not in ROWS:
+        raise DraftsmithError(f"data.rows must be one of {', '.join(ROWS)}, got {rows!r}")
+    path = blocks_cache(source, tokenizer, block_size, val_fraction, seed, text_field, max_documents, rows)
     if path.is_file():
         try:
             return load_file(path)
@@ -176,8 +221,11 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
 
             warnings.warn(f"{path} is damaged ({type(e).__name__}): rebuilding it from {source}")
             path.unlink()
-    rows = sampled_rows(source)
+    layout, rows = rows, sampled_rows(source)
     if rows is None:
+        if layout != "stream":
+            raise DraftsmithError(f"data.rows={layout} lays out samples the target wrote (data=generated, or prompt + "
+                                  f"completion pairs); {source} is plain text: use data.rows=stream")
         docs = _documents(source, text_field, max_documents)
     else:
         docs = [(r, row) for r, row in enumerate(rows[:max_documents] if max_documents else rows)
@@ -196,6 +244,9 @@ def load_blocks(source: str, tokenizer, block_size: int, val_fraction: float = 0
             src = None
         else:
             ids, src = zip(*(_sampled_tokens(tokenizer, row, r) for r, row in items)) if items else ((), ())
+            if layout != "stream" and name == "train":
+                out.update(_sample_rows(ids, src, block_size, eos, 1 if layout == "sample" else None))
+                continue
         flat = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
         n = len(flat) // block_size
         out[name] = flat[: n * block_size].view(n, block_size)
@@ -467,13 +518,15 @@ def sampled_logits(path: Path, rows: list[dict], layers: list[int] | None = None
 
 
 def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], layers: list[int] | None = None,
-                    chunk_bytes: int = 256 << 20, min_known: float = 0.5) -> int:
+                    chunk_bytes: int = 256 << 20, min_known: float = 0.5,
+                    positions: torch.Tensor | None = None) -> int:
     """Fill `cache` (data/teacher.py) with what the target kept as it sampled the corpus `path` at the positions
     `src` points at (`load_blocks`' train_src): its logits where it sampled a token, and with `layers` its features
     wherever it ran. Blocks go through in chunks of about `chunk_bytes` of the cache's records, each reading only
     the entries it points at, so memory stays flat however large the corpus. A block with fewer than `min_known` of
     its positions kept is left to the teacher pass (0: every block trains on what was kept, as a rank that holds no
-    target must). Returns the number of blocks filled."""
+    target must). With `positions` (data.rows=sample|packed: `load_blocks`' train_pos) the share is taken over a
+    row's label positions inside its samples: padding needs no teacher. Returns the number of blocks filled."""
     kept = sampled_logits(path, rows, layers)
     if kept is None or (layers is not None and kept.feature_start is None):
         return 0
@@ -489,6 +542,12 @@ def prefill_teacher(cache, src: torch.Tensor, path: Path, rows: list[dict], laye
     if layers is not None:
         fbase = kept.feature_start[row]
         fat = torch.where(ok & (fbase >= 0) & (step < steps), fbase + pos, -1)
+    if positions is not None and min_known > 0:  # the share over in-sample labels; cache.prefill then takes any
+        P = cache.positions
+        inside = positions[:, 1: P + 1] >= 1
+        share = (at[:, :P] >= 0).sum(1) / inside.sum(1).clamp_min(1)
+        at = torch.where((share >= min_known)[:, None], at, -1)
+        min_known = 1e-9
     filled, per = 0, max(1, chunk_bytes // cache.record)
     for lo in range(0, len(src), per):
         blocks = torch.arange(lo, min(lo + per, len(src)))
@@ -538,3 +597,19 @@ def prefill_labels(cache, path: Path, rows: list[dict], samples: list[list[int]]
         # teacher pass, and a rank without the target is refused them up front (train/draft.py)
         filled += cache.prefill(local, values, index, rows=block, min_known=1e-9)
     return filled
+
+
+def sampled_token_counts(blocks: dict, rows: list[dict], vocab: int) -> torch.Tensor:
+    """(vocab,) counts of the tokens the target itself sampled in the training blocks: the positions the loss is
+    taken on, never a prompt's tokens, the EOS seam or padding (draft.vocab_count=sampled). speculators counts its
+    pruned head's tokens so ("Only count tokens where loss_mask is 1", train/vocab_mapping.py), as does SpecForge:
+    a head chosen over prompts spends rows on tokens the sampler never proposes. Counts every block token where the
+    blocks carry no pointers to the target's samples (a plain text corpus)."""
+    src = blocks.get("train_src")
+    if src is None:
+        return torch.bincount(blocks["train"].flatten(), minlength=vocab)
+    ok = src >= 0
+    row = torch.where(ok, src >> _POS_BITS, 0)
+    prompt = torch.tensor([r.get("prompt_tokens", 0) for r in rows] or [0])[row]
+    own = ok & ((src & ((1 << _POS_BITS) - 1)) >= prompt)
+    return torch.bincount(blocks["train"][own], minlength=vocab)

@@ -11,15 +11,23 @@ import torch
 class Batch:
     """A training batch. ids (B, T); mask (B, T) marks real tokens (left padding of prompts is 0), None when all
     real; loss_mask (B, T-1) marks the label positions the loss is taken on, None when all; its first `sampled`
-    rows are the draft's own (no corpus block behind them, so the target must score them afresh)."""
+    rows are the draft's own (no corpus block behind them, so the target must score them afresh). `position_ids`
+    (B, T): rows packed with several samples (data.rows=packed), each restarting at 0, which transformers reads as
+    one causal mask per sample; `no_loss` (B, T-1): label positions that carry no loss but keep the batch's shape
+    (padding, a label in the next sample), unlike `loss_mask`, which drops positions."""
 
     ids: torch.Tensor
     mask: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     sampled: int = 0
+    position_ids: torch.Tensor | None = None
+    no_loss: torch.Tensor | None = None
 
     def positions(self) -> torch.Tensor | None:
-        """Position ids that skip left padding (RoPE must see a padded prompt at its true positions)."""
+        """Position ids that skip left padding (RoPE must see a padded prompt at its true positions), or the packed
+        rows' own."""
+        if self.position_ids is not None:
+            return self.position_ids
         if self.mask is None:
             return None
         return (self.mask.long().cumsum(1) - 1).clamp_min(0)

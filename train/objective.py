@@ -50,13 +50,16 @@ class IndependentObjective:
             labels = self._head_class[labels]
         tlogits = None if tlogits is None else tlogits.reshape(-1, V)
         unknown = self._unknown(m, b, rows)
-        if unknown is not None and tlogits is not None:
+        if b.no_loss is not None:  # data.rows=sample|packed: padding, and a label that opens the next sample
+            unknown = b.no_loss if unknown is None else unknown | b.no_loss
+        if unknown is not None and (tlogits is not None or b.no_loss is not None):
             # positions the target never sampled at (a prompt, the seam between samples) have no kept teacher: the
             # draft's own detached logits stand in, so every divergence and its gradient is 0 there, and the
             # batch keeps its shape (the compiled loss would recompile on every new count of kept positions)
             # (in place, on those rows only: a where over all of them copied two (N, V) tensors every step)
             at = unknown.nonzero().squeeze(1).to(logits.device)  # found on the host, where the cache knows them
-            tlogits[at] = logits.detach()[at].to(tlogits.dtype)
+            if tlogits is not None:
+                tlogits[at] = logits.detach()[at].to(tlogits.dtype)
             labels = labels.index_fill(0, at, -100)
         if b.loss_mask is not None:  # on-policy rows: only the draft's own samples carry the loss
             keep = b.loss_mask.reshape(-1).nonzero().squeeze(1)
