@@ -41,6 +41,8 @@ class DraftConfig:
     unroll: int = 4  # feature_head: drafting steps of the training-time test (the K it is trained for)
     step_decay: float = 1.0  # feature_head: unrolled step s weighs step_decay ** s in the loss (EAGLE-3: 0.8)
     feature_noise: float = 0.0  # feature_head: training adds U(-a, a) x each state's RMS to the features it reads
+    vocab_count: str = "all"  # what chooses a pruned head's tokens: all (every training token, prompts included)
+                              # or sampled (the target's own sampled tokens alone, as speculators and SpecForge count)
 
     def __post_init__(self):
         if self.kind not in ("independent", "feature_head"):
@@ -56,6 +58,8 @@ class DraftConfig:
         if not 0 <= self.feature_noise < 1:
             raise DraftsmithError(f"draft.feature_noise must be in [0, 1) (uniform noise, relative to each feature's "
                                   f"RMS), got {self.feature_noise}")
+        if self.vocab_count not in ("all", "sampled"):
+            raise DraftsmithError(f"draft.vocab_count must be 'all' or 'sampled', got {self.vocab_count!r}")
         if self.init not in ("scratch", "target"):
             raise DraftsmithError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
         if self.layers is not None and self.layers < 1:
@@ -113,7 +117,7 @@ class TargetWeights:
         """The target `name`'s weights, or None where they are not in safetensors files."""
         from transformers import AutoConfig
 
-        from draftsmith.sampling.load import resolve
+        from draftsmith.sampling.names import resolve
 
         path = resolve(name)
         if not any(path.glob("*.safetensors")):
@@ -181,7 +185,8 @@ def _load_weights(draft, path: str) -> None:
     """Copy a saved draft's weights into `draft` (same shapes), refusing any other checkpoint in one line."""
     from safetensors.torch import load_file
 
-    from draftsmith.sampling.load import check_weight_files, resolve
+    from draftsmith.sampling.load import check_weight_files
+    from draftsmith.sampling.names import resolve
 
     src = resolve(path)
     check_weight_files(src)

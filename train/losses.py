@@ -102,10 +102,29 @@ def divergences(draft_logits, target_logits, temperature: float, names: tuple[st
     return _fused(draft_logits, target_logits, temperature, names, weights)
 
 
+def truncated_tv(draft_logits, target_logits, cfg, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """TV between the distributions the sampler draws and accepts from: both sides after temperature, top-k and
+    top-p (`process_logits`, the sampler's one code path: sampling/rejection.py accepts with min(1, q~/p~) of
+    these), so 1 - it is the acceptance the sampler meets, not that of the untruncated pair. Which tokens each
+    nucleus keeps is chosen without gradient; the draft's probabilities, renormalised over its own nucleus, carry
+    it. Over a pruned head both sides are the head's columns, the target's renormalised over them."""
+    from draftsmith.sampling.probs import process_logits
+
+    with torch.no_grad():
+        q = process_logits(target_logits, cfg)
+        keep = process_logits(draft_logits.detach(), cfg) > 0
+    p = F.softmax((draft_logits.float() / max(cfg.temperature, 1e-6)).masked_fill(~keep, float("-inf")), -1)
+    per = 0.5 * (p - q).abs().sum(-1)
+    return per.mean() if weights is None else (per * weights).sum() / weights.sum()
+
+
 def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], temperature: float = 1.0,
-               compile: bool = True, row_weights: torch.Tensor | None = None):
+               compile: bool = True, row_weights: torch.Tensor | None = None, truncate=None):
     """Weighted sum of cross-entropy ('ce') and divergences; returns (total, {name: value}). `row_weights` (N,):
-    each position's weight in every term's mean (a feature draft's unrolled steps; None: all equal)."""
+    each position's weight in every term's mean (a feature draft's unrolled steps; None: all equal). `truncate` (a
+    SamplingConfig; loss.truncate): the tv term is taken between the truncated distributions (`truncated_tv`); the
+    other terms stay on the whole ones (a KL between truncated distributions is infinite wherever the target's
+    nucleus holds a token the draft's lacks, and the KL is what carries the start)."""
     unknown = set(weights) - {"ce", *DIVERGENCES}
     if unknown:
         raise DraftsmithError(f"unknown loss terms {sorted(unknown)}; choose from ce, {', '.join(DIVERGENCES)}")
@@ -113,10 +132,17 @@ def draft_loss(draft_logits, labels, target_logits, weights: dict[str, float], t
     if weights.get("ce", 0):
         parts["ce"] = cross_entropy(draft_logits, labels, row_weights)
     names = tuple(sorted(n for n in DIVERGENCES if weights.get(n, 0)))
+    if truncate is not None and "tv" not in names:
+        raise DraftsmithError("loss.truncate=true truncates the tv term, and this loss has none: give loss.weights.tv "
+                              "a positive weight (loss=distill_tv, tv) or set loss.truncate=false")
     if names:
         if target_logits is None:
             raise DraftsmithError(f"loss terms {list(names)} need the target's logits: set loss.distill=true")
-        parts.update(divergences(draft_logits, target_logits, temperature, names, compile, row_weights))
+        whole = tuple(n for n in names if truncate is None or n != "tv")
+        if whole:
+            parts.update(divergences(draft_logits, target_logits, temperature, whole, compile, row_weights))
+        if truncate is not None:
+            parts["tv"] = truncated_tv(draft_logits, target_logits, truncate, row_weights)
     if not parts:
         raise DraftsmithError("all loss weights are zero: give ce or a divergence a positive weight")
     total = sum(weights[k] * v for k, v in parts.items())

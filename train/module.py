@@ -20,6 +20,123 @@ from draftsmith.train.onpolicy import OnPolicy
 from draftsmith.train.rundir import partitioned
 
 
+class Combined(torch.optim.Optimizer):
+    """Several optimizers stepped as one: Lightning's automatic optimisation takes one. Their param groups are this
+    one's (the same dicts), so the LR schedule, gradient clipping and a skipped step reach every group."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state):
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def optimizer(draft, o: dict) -> torch.optim.Optimizer:
+    """optim.name: `adamw` (every trainable weight), or `muon`: Muon (Jordan et al. 2024; `torch.optim.Muon`) on the
+    hidden layers' 2-D weights and AdamW on the rest (norms, and the embeddings and head when they train), as its
+    authors and speculators' default run it. Muon's updates are scaled to AdamW's RMS (Liu et al. 2025, "Muon is
+    Scalable for LLM Training", arXiv 2502.16982: `match_rms_adamw`), so one optim.lr and weight decay serve both
+    and a learning-rate sweep moves both together; optim.muon_lr sets Muon's apart."""
+    name = o.get("name", "adamw")
+    if name not in OPTIMIZERS:
+        raise DraftsmithError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    params = [p for p in draft.parameters() if p.requires_grad]
+    adamw = dict(lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.98))), weight_decay=o.get("weight_decay", 0.01))
+    if name == "adamw":
+        return torch.optim.AdamW(params, **adamw)
+    ends = {id(m.weight) for m in (getattr(draft, "get_input_embeddings", lambda: None)(),
+                                   getattr(draft, "get_output_embeddings", lambda: None)()) if m is not None}
+    matrices = [p for p in params if p.ndim == 2 and id(p) not in ends]
+    rest = [p for p in params if p.ndim != 2 or id(p) in ends]
+    if not matrices:
+        raise DraftsmithError("optim.name=muon: the draft has no trainable hidden 2-D weight; use optim.name=adamw")
+    muon = torch.optim.Muon(matrices, lr=o.get("muon_lr") or o["lr"], weight_decay=o.get("weight_decay", 0.01),
+                            momentum=o.get("muon_momentum", 0.95), adjust_lr_fn="match_rms_adamw")
+    return Combined(muon, torch.optim.AdamW(rest, **adamw)) if rest else muon
+
+
+class WeightAverage(torch.nn.Module):
+    """An exponential moving average of the draft's trainable weights (optim.ema = its decay), in fp32 buffers:
+    saved in every checkpoint (`ema.*`), measured by validation in place of the raw weights, exported by the
+    report. Polyak averaging: the average of a run's late iterates generalises better than the last one (Polyak &
+    Juditsky 1992; Izmailov et al. 2018, SWA), which is what a run past ~3.5 epochs on the same samples needs. The
+    decay warms up as min(decay, (1 + step) / (10 + step)) (TensorFlow's ExponentialMovingAverage), so a short run's
+    average does not stay at its initial weights."""
+
+    def __init__(self, draft, decay: float):
+        super().__init__()
+        if not 0 < decay < 1:
+            raise DraftsmithError(f"optim.ema must be in (0, 1) (the average's decay per step; 0 = off), got {decay}")
+        self.decay = decay
+        self.names = [n for n, p in draft.named_parameters() if p.requires_grad]
+        params = dict(draft.named_parameters())
+        for n in self.names:
+            self.register_buffer(self.key(n), params[n].detach().float().clone())
+
+    @staticmethod
+    def key(name: str) -> str:
+        return name.replace(".", "__")
+
+    def _pairs(self, draft):
+        params = dict(draft.named_parameters())
+        return [(params[n], getattr(self, self.key(n))) for n in self.names]
+
+    @torch.no_grad()
+    def update(self, draft, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        for p, avg in self._pairs(draft):
+            avg.lerp_(p.detach().float(), 1 - d)
+
+    @torch.no_grad()
+    def swap_in(self, draft) -> list[torch.Tensor]:
+        """Puts the average in the draft's weights; returns the raw ones for `restore`."""
+        raw = []
+        for p, avg in self._pairs(draft):
+            raw.append(p.detach().clone())
+            p.copy_(avg)
+        return raw
+
+    @torch.no_grad()
+    def restore(self, draft, raw: list[torch.Tensor]) -> None:
+        for (p, _), r in zip(self._pairs(draft), raw):
+            p.copy_(r)
+
+    @staticmethod
+    @torch.no_grad()
+    def load_into(draft, state: dict) -> bool:
+        """A checkpoint's average (its `ema.*` entries) into `draft`'s weights; False when it holds none."""
+        found = False
+        for n, p in draft.named_parameters():
+            avg = state.get(f"ema.{WeightAverage.key(n)}")
+            if avg is not None:
+                p.copy_(avg)
+                found = True
+        return found
+
+
 class DraftModule(L.LightningModule):
     """Holds the draft (trained) and the target (frozen, outside the module's parameters).
 
@@ -33,7 +150,7 @@ class DraftModule(L.LightningModule):
                  on_policy: OnPolicy | None = None, unroll: int = 4, step_decay: float = 1.0,
                  feature_noise: float = 0.0,
                  teacher_cache: TeacherCache | None = None, head_tokens: torch.Tensor | None = None,
-                 validate_on_first: bool = False):
+                 validate_on_first: bool = False, row_positions: torch.Tensor | None = None, packed: bool = False):
         super().__init__()
         self.draft = draft
         self._target = [target]  # a list hides it from nn.Module registration
@@ -53,6 +170,19 @@ class DraftModule(L.LightningModule):
         # a pruned head's rows, computed in a forward of their own (registered here, so that DeepSpeed hooks it)
         self.head_rows = None if head_tokens is None else HeadRows(draft, head_tokens)
         self._skip_step = False
+        # data.rows=sample|packed: each training row's tokens' positions in their own samples (-1: padding), looked
+        # up by row index; packed rows pass them to the model, which then masks attention per sample
+        self.row_positions, self.packed = row_positions, packed
+        if row_positions is not None and (is_feature_draft(draft) or self.on_policy is not None):
+            raise DraftsmithError("data.rows=sample or packed trains an independent draft on the corpus' own rows: a "
+                                  "feature draft or on-policy rows (data.on_policy_fraction > 0) need data.rows=stream")
+        # loss.truncate: the TV term between the distributions the sampler accepts from (temperature, top-k, top-p)
+        self.truncate = (SamplingConfig(loss.get("temperature", 1.0), sampler.get("top_k", 0),
+                                        sampler.get("top_p", 1.0)) if loss.get("truncate") else None)
+        # optim.ema: an average of the weights, which validation measures and the report exports (train/optim.py)
+        decay = float(optim.get("ema") or 0.0)
+        self.ema = WeightAverage(draft, decay) if decay else None
+        self._raw = None
 
     @property
     def target(self):
@@ -103,7 +233,8 @@ class DraftModule(L.LightningModule):
 
         def unseen(miss):  # the rows the cache has not seen, with their padding mask (a chat batch's)
             sel = miss.nonzero().squeeze(1).to(b.ids.device)
-            return teacher(Batch(b.ids[sel], None if b.mask is None else b.mask[sel]))
+            return teacher(Batch(b.ids[sel], None if b.mask is None else b.mask[sel],
+                                 position_ids=None if b.position_ids is None else b.position_ids[sel]))
 
         logits, feats = cache.outputs(rows, unseen, self.device, dtype, width=b.ids.shape[1] - 1)
         self.log("train/teacher_cache_hit_rate", cache.hit_rate)
@@ -135,14 +266,14 @@ class DraftModule(L.LightningModule):
         else:
             ids = batch[0] if isinstance(batch, (list, tuple)) else batch
             rows = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None  # block indices
-            b = Batch(ids)
+            b = Batch(ids) if self.row_positions is None or rows is None else self._sample_batch(ids, rows)
         if self.on_policy is not None:
             t = time.perf_counter()
             b = self.on_policy(self.sampling_draft, ids, self._progress())  # as deployed: its pruned head
             self.log("train/on_policy_s", time.perf_counter() - t)
         logits, tlogits, labels, row_weights = self.objective.train_outputs(self, b, rows)
         total, parts = draft_loss(logits, labels, tlogits, self._weights(), self.loss_cfg.get("temperature", 1.0),
-                                  self.loss_cfg.get("compile", True), row_weights)
+                                  self.loss_cfg.get("compile", True), row_weights, truncate=self.truncate)
         if not self._all_finite(total):  # skip the step on every rank alike; stop if it keeps happening
             self.nonfinite_steps += 1
             self._nonfinite_run += 1
@@ -171,6 +302,31 @@ class DraftModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return total
 
+    def _sample_batch(self, ids: torch.Tensor, rows: torch.Tensor) -> Batch:
+        """A batch of data.rows=sample|packed rows: a label carries loss only inside its own sample (not padding, not
+        the next sample's first token); packed rows restart their positions at each sample."""
+        pos = self.row_positions[rows.cpu()]
+        no_loss = (pos[:, 1:] < 1).reshape(-1)  # stays on the host, as the teacher cache's flags do
+        return Batch(ids, position_ids=pos.clamp_min(0).to(ids.device) if self.packed else None, no_loss=no_loss)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.ema is not None:
+            self.ema.update(self.draft, self.global_step)
+
+    def on_validation_epoch_start(self):
+        if self.ema is not None and self._raw is None:  # validation (and the acceptance callback) measure the average
+            self._raw = self.ema.swap_in(self.draft)
+
+    def on_fit_end(self):
+        if self.ema is not None:  # the draft the report measures as "last" is the average, as exported
+            self._restore()
+            self.ema.swap_in(self.draft)
+
+    def _restore(self):
+        if self._raw is not None:
+            self.ema.restore(self.draft, self._raw)
+            self._raw = None
+
     @property
     def _ranks(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
@@ -195,6 +351,8 @@ class DraftModule(L.LightningModule):
 
     def on_validation_epoch_end(self):
         self._t_last = None  # the next step's throughput must not include validation time
+        if self.ema is not None:  # after the callbacks' own epoch end (Lightning calls them first): training goes on
+            self._restore()  # from the raw weights
 
     def validation_step(self, batch, batch_idx):
         """Teacher-forced alpha_analytic on held-out blocks (train/objective.py, per kind of draft)."""
@@ -219,9 +377,7 @@ class DraftModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        params = [p for p in self.draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.98))),
-                                weight_decay=o.get("weight_decay", 0.01))
+        opt = optimizer(self.draft, o)
         warmup, floor = o.get("warmup_steps", 30), o.get("min_lr_ratio", 0.1)
 
         def schedule(step):  # linear warm-up, then cosine to floor * lr at max_steps

@@ -12,12 +12,13 @@ import torch
 from draftsmith.drafts.build import truncated_target
 from draftsmith.drafts.evaluate import CHAT_SET, acceptance_by_set
 from draftsmith.drafts.plots import plot_report
-from draftsmith.drafts.saved import draft_from_checkpoint, save_draft
+from draftsmith.drafts.saved import checkpoint_state, draft_from_checkpoint, save_draft
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.pruned import PrunedHeadDraft
 from draftsmith.sampling.stats import TAU
+from draftsmith.train.module import WeightAverage
 from draftsmith.train.rundir import sharded
 
 
@@ -51,6 +52,36 @@ def measure(target, drafts: dict, tokenizer, cfg, cost: dict | None) -> dict:
     return out
 
 
+@torch.inference_mode()
+def head_mass(target, head: torch.Tensor, tokenizer, cfg) -> dict[str, float]:
+    """{prompt set: the target's mean probability mass on a pruned head's tokens}, after the sampler's temperature,
+    top-k and top-p, over its own samples of the set's prompts (the samples `measure`'s alpha_on_target is taken
+    on: the same prompts and seed). A draft never proposes a token outside its head, so per position acceptance is
+    at most this mass: a ceiling on alpha that no training lifts (only more or other head tokens do)."""
+    from draftsmith.drafts.evaluate import chat_prompts, target_samples
+    from draftsmith.sampling.probs import SamplingConfig, process_logits
+    from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id, user_turn
+
+    s, chat = cfg.sampler, chat_of(cfg)
+    thinking = (chat or {}).get("enable_thinking")
+    out = {}
+    for ps in eval_sets(cfg):
+        if ps == CHAT_SET:
+            texts, special = chat_prompts(tokenizer, cfg.eval.n_prompts or 8, thinking), False
+        else:
+            texts, special = [r["prompt"] for r in load_prompts(ps, cfg.eval.n_prompts)], chat is None
+            if chat is not None:
+                texts = [user_turn(tokenizer, t, thinking) for t in texts]
+        ids, mask = (t.to(device_of(target)) for t in encode_prompts(tokenizer, texts, special_tokens=special))
+        b = target_samples(target, ids, mask, max_new_tokens=cfg.eval.max_new_tokens, temperature=s.temperature,
+                           top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=pad_id(tokenizer), seed=cfg.seed + 1)
+        q = process_logits(b.logits(target), SamplingConfig(s.temperature, s.top_k, s.top_p))
+        mass = q.index_select(-1, head.to(q.device)).sum(-1)
+        out[ps] = float(mass[b.loss_mask].mean())
+    return out
+
+
 def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb, last_path: str, acceptance_cb,
                  wall_s: float, tokens_per_s: float | None, precision: str,
                  token_counts: torch.Tensor | None = None) -> dict:
@@ -62,6 +93,8 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         last = draft_from_checkpoint(last, last_path, rebuild=True, device=device_of(target))
     best_path = checkpoint_cb.best_model_path
     best = draft_from_checkpoint(last, best_path) if best_path else last
+    if best_path and getattr(module, "ema", None) is not None:  # optim.ema: the average is what validation chose
+        WeightAverage.load_into(best, checkpoint_state(best_path))
     head = module.head_tokens
     best_dir = save_draft(best, tokenizer, out_dir / "best_draft", token_counts, head)
     n_params = sum(p.numel() for p in best.parameters())
@@ -96,6 +129,8 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "draft_layers": best.config.num_hidden_layers,
         "draft_params": n_params,
         "draft_head_tokens": None if head is None else len(head),
+        # the target's mass on the head's tokens per prompt set: a ceiling on alpha (`head_mass`)
+        "head_mass": None if head is None else head_mass(target, head, tokenizer, cfg),
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     plot_report(report, out_dir / "acceptance.png")
@@ -116,6 +151,9 @@ def print_report(report: dict) -> None:
             sp = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
             print(f"  {name:<22}{ps:<10}{r['alpha']:>8.3f}{r['alpha_analytic']:>16.3f}{r['alpha_on_target']:>17.3f}"
                   f"{r['tokens_per_call']:>10.2f}{sp:>16}")
+    if report.get("head_mass"):
+        print(f"the target's mass on the draft head's {report['draft_head_tokens']} tokens (a ceiling on alpha): "
+              + ", ".join(f"{ps} {m:.3f}" for ps, m in report["head_mass"].items()))
     if report["c"] is not None:
         print(f"draft cost c = {report['c']:.3f} of a target step (measured here)")
     if report["train_tokens_per_s"]:

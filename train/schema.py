@@ -24,6 +24,10 @@ class Optim:
     weight_decay: float = 0.01
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
+    name: str = "adamw"  # adamw | muon (train/module.py `optimizer`)
+    muon_lr: float | None = None  # optim.name=muon: Muon's lr (null: optim.lr, at AdamW's update RMS)
+    muon_momentum: float = 0.95
+    ema: float = 0.0  # > 0: the decay of an average of the weights that validation measures and the report exports
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Data:
     prompts: str | None = None
     chat_template: bool = False
     generated: Generated = field(default_factory=Generated)
+    rows: str = "stream"  # stream | sample | packed (data/corpus.py `load_blocks`)
     # data=chat (recipes/data/chat.yaml says what each key does; data/chatcorpus.py)
     format: str = "text"  # text | chat
     fields: dict[str, str] | None = None
@@ -131,6 +136,7 @@ class Loss:
     anneal: Anneal | None = None
     teacher_topk: int = 0
     compile: bool = True
+    truncate: bool = False  # the tv term between the sampler's truncated distributions (train/losses.py)
 
 
 @dataclass
