@@ -41,6 +41,10 @@ class DraftConfig:
     unroll: int = 4  # feature_head: drafting steps of the training-time test (the K it is trained for)
     step_decay: float = 1.0  # feature_head: unrolled step s weighs step_decay ** s in the loss (EAGLE-3: 0.8)
     feature_noise: float = 0.0  # feature_head: training adds U(-a, a) x each state's RMS to the features it reads
+    init_scale: float = 1.0  # init=target: a copied layer taken after a jump (layer 29 after layer 1) starts with its
+                             # output projections scaled by this (it expects the residual of its own depth, RMS ~66 in
+                             # the demo target, and receives that of the layer before, ~3): < 1 starts it as a small
+                             # correction; 1: copied as is
     vocab_count: str = "all"  # what chooses a pruned head's tokens: all (every training token, prompts included)
                               # or sampled (the target's own sampled tokens alone, as speculators and SpecForge count)
 
@@ -58,6 +62,9 @@ class DraftConfig:
         if not 0 <= self.feature_noise < 1:
             raise DraftsmithError(f"draft.feature_noise must be in [0, 1) (uniform noise, relative to each feature's "
                                   f"RMS), got {self.feature_noise}")
+        if not 0 < self.init_scale <= 1:
+            raise DraftsmithError(f"draft.init_scale must be in (0, 1] (1: the jumped-to layer copied as is), got "
+                                  f"{self.init_scale}")
         if self.vocab_count not in ("all", "sampled"):
             raise DraftsmithError(f"draft.vocab_count must be 'all' or 'sampled', got {self.vocab_count!r}")
         if self.init not in ("scratch", "target"):
@@ -173,12 +180,28 @@ def build_draft(target, cfg: DraftConfig):
         if missing:
             raise DraftsmithError(f"could not initialise {sorted(missing)[:3]} from the target")
         draft.load_state_dict(dst)
+        if cfg.init_scale != 1.0:
+            _scale_jumps(draft, picks, cfg.init_scale)
     if cfg.init_from:
         _load_weights(draft, cfg.init_from)
     if cfg.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     return draft
+
+
+@torch.no_grad()
+def _scale_jumps(draft, picks: list[int], scale: float) -> None:
+    """Scale the residual writes (attention's o_proj, the MLP's down_proj) of every draft layer copied from a target
+    layer that does not follow the previous pick: its contribution to the residual stream then starts in proportion
+    to the stream it receives."""
+    for i in range(1, len(picks)):
+        if picks[i] != picks[i - 1] + 1:
+            layer = draft.model.layers[i]
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight.mul_(scale)
+                if getattr(proj, "bias", None) is not None:
+                    proj.bias.mul_(scale)
 
 
 def _load_weights(draft, path: str) -> None:

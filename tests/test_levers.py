@@ -285,3 +285,21 @@ def test_the_truncated_tv_is_one_minus_the_samplers_acceptance():
     assert abs(float(whole["tv"] - parts["tv"])) > 0.01  # the default is the whole-distribution tv, unchanged
     with pytest.raises(DraftsmithError, match="loss.truncate=true truncates the tv term"):
         draft_loss(p, torch.zeros(64, dtype=torch.long), q, {"forward_kl": 1.0}, 0.8, compile=False, truncate=cfg)
+
+
+def test_a_layer_copied_after_a_jump_starts_scaled():
+    """draft.init_scale: the draft layer copied from a target layer that does not follow the previous pick (29 after
+    1) writes to the residual at that scale; contiguous picks, and every weight at the default 1, are copied as is."""
+    target = tiny_llama(vocab=32, layers=6, hidden=32, seed=0)
+    plain = build_draft(target, DraftConfig(layers=3, width_ratio=1.0, init="target", init_layers=[0, 1, 5]))
+    scaled = build_draft(target, DraftConfig(layers=3, width_ratio=1.0, init="target", init_layers=[0, 1, 5],
+                                             init_scale=0.05))
+    t = dict(target.named_parameters())
+    for n, p in plain.named_parameters():
+        src = n.replace("layers.2.", "layers.5.") if "layers.2." in n else n
+        torch.testing.assert_close(p, t[src].float())
+        q = dict(scaled.named_parameters())[n]
+        jumped = "layers.2." in n and ("o_proj" in n or "down_proj" in n)
+        torch.testing.assert_close(q, p * 0.05 if jumped else p)
+    with pytest.raises(DraftsmithError, match="draft.init_scale"):
+        DraftConfig(init_scale=0)
