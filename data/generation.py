@@ -17,6 +17,7 @@ through `row_sampler`: the same batches, from our loop or from one vLLM started 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import closing, contextmanager, nullcontext
@@ -252,3 +253,95 @@ def measure_engines(target, target_name: str, rows: list[list[int]], batch_size:
             _, _, tokens, _, seconds = next(batches)
         rates[engine] = sum(len(x) for x in tokens) / seconds
     return rates
+
+
+def repetitive(tokens: list[int], n: int = 4, min_distinct: float = 0.5) -> bool:
+    """A continuation caught in a loop: fewer than `min_distinct` of its n-grams are distinct. A small draft
+    sampling at T 0.8 falls into such loops where its target would not; the target's kept logits on them would
+    teach the draft its own failure (issue 61, lever 2: the draft writes, the target labels)."""
+    grams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
+    return bool(grams) and len(set(grams)) < min_distinct * len(grams)
+
+
+def draft_pairs(draft, tokenizer, prompts: list[str], out_path: str | Path, *, batch_size: int = 64,
+                max_new_tokens: int = 192, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
+                max_seconds: float | None = None, max_rows: int | None = None, progress: bool = True) -> dict:
+    """A warm draft writes continuations of `prompts` (cycled, each pass with new seeds) in batches of
+    `batch_size`, repetition-filtered (`repetitive`), into a JSONL of {prompt, completion}: what `data.source=`
+    reads as pairs sampled elsewhere, labelled by one batched teacher pass of the target (the kept top-k), several
+    times faster a token than the target's own sampling loop. Stops after the batch that crosses `max_seconds` (or
+    at `max_rows`). Returns {written, dropped, tokens, seconds}. A cold draft must not write: trained on its own
+    text from the start it collapses (docs/results.md); warm it on the target's samples first."""
+    from draftsmith.sampling import autoregressive_generate
+    from draftsmith.sampling.prompts import pad_id, prompt_rows
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    rows, pad, eos = prompt_rows(tokenizer, prompts), pad_id(tokenizer), tokenizer.eos_token_id
+    stats = {"written": 0, "dropped": 0, "tokens": 0, "seconds": 0.0}
+    t0, start = time.perf_counter(), 0
+    with out_path.open("w") as f:
+        while (max_seconds is None or time.perf_counter() - t0 < max_seconds) and \
+                (max_rows is None or stats["written"] < max_rows):
+            idx = [(start + j) % len(rows) for j in range(batch_size)]
+            chunk = [rows[i] for i in idx]
+            width = max(len(r) for r in chunk)
+            ids = torch.tensor([[pad] * (width - len(r)) + r for r in chunk])
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk])
+            gen = autoregressive_generate(draft, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_p=top_p, eos_token_id=eos,
+                                          generator=torch.Generator(device="cpu").manual_seed(seed + start))
+            for i, toks in zip(idx, gen.tokens):
+                toks = [int(t) for t in toks if int(t) != eos]
+                stats["tokens"] += len(toks)
+                if not toks or repetitive(toks):
+                    stats["dropped"] += 1
+                    continue
+                f.write(json.dumps({"prompt": prompts[i], "completion": tokenizer.decode(toks)}) + "\n")
+                stats["written"] += 1
+            f.flush()
+            start += batch_size
+            stats["seconds"] = time.perf_counter() - t0
+            if progress:
+                print(f"draft pairs: {stats['written']} written, {stats['dropped']} dropped as loops, "
+                      f"{stats['tokens'] / stats['seconds']:.0f} tokens/s", file=sys.stderr, flush=True)
+    return stats
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """`python -m draftsmith.data.generation --draft RUN/best_draft --out pairs.jsonl --minutes 8`: the warm
+    draft's continuations of the prompt set, its held-out prompts left out as training leaves them out."""
+    import argparse
+
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.prompts import load_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.data.generation", description=_main.__doc__)
+    ap.add_argument("--draft", required=True, help="a trained draft (a run's best_draft dir)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", default="broad", help="a shipped prompt set or a JSONL with `prompt`")
+    ap.add_argument("--heldout", type=int, default=16, help="every k-th prompt left out, as training's "
+                    "split_prompts does with sampler.on_target_prompts (default 16)")
+    ap.add_argument("--minutes", type=float, default=None)
+    ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="fp32")
+    a = ap.parse_args(argv)
+    texts = [r["prompt"] for r in load_prompts(a.prompts)]
+    if a.heldout and len(texts) >= 4:
+        n = min(a.heldout, len(texts) // 2)
+        held = set(torch.linspace(0, len(texts) - 1, n).long().tolist())
+        texts = [t for i, t in enumerate(texts) if i not in held]
+    draft = load_model(a.draft, a.dtype)
+    stats = draft_pairs(draft, load_tokenizer(a.draft), texts, a.out, batch_size=a.batch_size,
+                        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                        max_seconds=None if a.minutes is None else 60 * a.minutes, max_rows=a.rows)
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    _main()

@@ -303,3 +303,18 @@ def test_a_layer_copied_after_a_jump_starts_scaled():
         torch.testing.assert_close(q, p * 0.05 if jumped else p)
     with pytest.raises(DraftsmithError, match="draft.init_scale"):
         DraftConfig(init_scale=0)
+
+
+def test_a_warm_draft_writes_pairs_the_target_labels(tiny, tmp_path):
+    """Lever 2's writer: the draft's continuations in batches, loops dropped, as prompt + completion pairs that
+    data.source= reads (and one teacher pass labels)."""
+    from draftsmith.data.corpus import pair_rows
+    from draftsmith.data.generation import draft_pairs, repetitive
+
+    assert repetitive([1, 2, 3, 4] * 10) and not repetitive(list(range(40)))
+    tok, target = tiny
+    out = tmp_path / "pairs.jsonl"
+    stats = draft_pairs(target, tok, PROMPTS, out, batch_size=4, max_new_tokens=12, max_rows=6, progress=False)
+    assert stats["written"] >= 6 and stats["written"] + stats["dropped"] == 8 and stats["tokens"] > 0
+    prompts, completions = pair_rows(str(out))
+    assert len(prompts) == stats["written"] and set(prompts) <= set(PROMPTS) and all(completions)
