@@ -17,21 +17,27 @@ import json
 from pathlib import Path
 
 from draftsmith.deploy.bench.serve import _merge, encode, set_k, tau_of
-from draftsmith.deploy.bench.sets import load_set
+from draftsmith.deploy.bench.sets import SETS, load_set
 from draftsmith.engines.base import Job
 from draftsmith.sampling.load import load_tokenizer
+from draftsmith.sampling.prompts import load_prompts
 
 KS = (1, 2, 3, 4)
 
 
 def sweep(bundle, engine_name: str, ks=KS, temperature: float = 0.0, top_p: float = 1.0, n_prompts: int = 4,
-          max_new_tokens: int = 32, prompts: str = "code", seed: int = 0) -> dict:
-    """Tokens/s of the bundle in one engine, plain and at each K, on the first `n_prompts` of a set (raw text where
-    the target has no chat template); the fastest K is `best_k`."""
+          max_new_tokens: int = 32, prompts: str = "english", seed: int = 0) -> dict:
+    """Tokens/s of the bundle in one engine, plain and at each K, on the first `n_prompts` of a prompt set (raw
+    text where the target has no chat template); the fastest K is `best_k`. The default set, `english`, is none
+    that `bench serve` reports (chat, code, math): the K that won on a set's first prompts would otherwise be
+    reported on the same prompts, a winner's-curse bias; the set is recorded (`prompts`), and a bench serve row on
+    it says so."""
     from draftsmith.engines import open_engine
 
     tok = load_tokenizer(str(bundle.target_dir))
-    ids = encode(tok, load_set(prompts, n_prompts), raw=not getattr(tok, "chat_template", None))
+    convs = load_set(prompts, n_prompts) if prompts in SETS else [
+        [{"role": "user", "content": r["prompt"]}] for r in load_prompts(prompts, n_prompts)]
+    ids = encode(tok, convs, raw=not getattr(tok, "chat_template", None))
     jobs = [Job([p], 1, max_new_tokens, temperature, top_p if temperature > 0 else 1.0, seed + i)
             for i, p in enumerate(ids)]
     engine = open_engine(engine_name, bundle)
@@ -42,7 +48,7 @@ def sweep(bundle, engine_name: str, ks=KS, temperature: float = 0.0, top_p: floa
         set_k(engine, k)
         spec = engine.run(jobs, speculative=True)
         tps = sum(o.new_tokens for o in spec) / max(sum(o.seconds for o in spec), 1e-9)
-        tau, _ = tau_of(engine_name, _merge(spec), k)
+        tau = tau_of(engine_name, _merge(spec), k)[0]
         by_k[str(k)] = {"tok_s": tps, "speedup": tps / tps_plain, "tokens_per_call": tau}
     best = max(by_k, key=lambda k: by_k[k]["tok_s"])
     return {"version": engine.version(), "temperature": temperature, "top_p": top_p if temperature > 0 else 1.0,
@@ -72,8 +78,9 @@ def write_engine_k(folder: Path, results: dict) -> None:
 
 def card_section(results: dict, predicted: dict) -> str:
     """The card's table: per engine, the fastest K measured there, its speed-up beside the predicted one."""
-    lines = ["## K per engine", "", "Each engine timed at K = 1..4 on this machine (plain once, then each K, one run); "
-             "the fastest K is written into its config.", "",
+    sets = sorted({str(r.get("prompts", "code")) for r in results.values()})
+    lines = ["## K per engine", "", "Each engine timed at K = 1..4 on this machine (plain once, then each K, one run) "
+             f"on the {', '.join(sets)} prompts; the fastest K is written into its config.", "",
              "| engine | version | T | K | tau | tokens/s plain | tokens/s speculative | speed-up | predicted |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     slower = []

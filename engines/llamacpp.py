@@ -132,6 +132,8 @@ class LlamaCppEngine(Engine):
     (temperature, then top-p) with min-p off, so both engines sample the same distribution."""
 
     name = "llamacpp"
+    starts_per_run = True  # each run() starts a server: bench serve alternates its arms by run (ABBA), not by job
+    cache_prompts = True  # the server's cache_prompt; bench serve turns it off (a row must not reuse another's prefill)
 
     def __init__(self, bundle, timeout_s: int = 1800, draft_type: str = "f32"):
         self.bundle, self.timeout_s, self.draft_type = bundle, timeout_s, draft_type
@@ -196,7 +198,11 @@ class LlamaCppEngine(Engine):
             else:
                 draft = self.gguf(self.bundle.draft_dir, self.draft_type)
             cmd += ["-md", str(draft), "--spec-type", "draft-eagle3" if self.eagle3 else "draft-simple",
-                    "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", "0"]
+                    "--spec-draft-n-max", str(self.k), "--spec-draft-n-min", "0",
+                    # p-min 0 drafts K tokens every step, as the other engines do: its default has moved between
+                    # versions (0.75, later 0), and above 0 it stops drafting where the draft is unsure, so K would
+                    # be a maximum
+                    "--spec-draft-p-min", "0"]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -242,7 +248,7 @@ class LlamaCppEngine(Engine):
                     rows = []
                     for _ in range(job.n):
                         bar.update()
-                        body = _body(job, prompt, job.seed + i)
+                        body = _body(job, prompt, job.seed + i, self.cache_prompts)
                         i += 1
                         t0 = time.perf_counter()
                         r = post(body)
@@ -271,7 +277,8 @@ class LlamaCppEngine(Engine):
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(job.prompts)) as pool:
-            res = list(pool.map(post, [_body(job, p, job.seed + i) for i, p in enumerate(job.prompts)]))
+            res = list(pool.map(post, [_body(job, p, job.seed + i, self.cache_prompts)
+                                       for i, p in enumerate(job.prompts)]))
         seconds = time.perf_counter() - t0
         bar.update(len(res))
         timing = [r.get("timings", {}) for r in res]
@@ -281,9 +288,9 @@ class LlamaCppEngine(Engine):
                       accepted if speculative else None)
 
 
-def _body(job, prompt: list[int], seed: int) -> dict:
+def _body(job, prompt: list[int], seed: int, cache_prompt: bool = True) -> dict:
     """One /completion request: token ids in and out, HF's sampler order (temperature, then top-p), top-k and min-p
-    off."""
+    off; `cache_prompt` off for timed runs (`bench serve`)."""
     return {"prompt": prompt, "n_predict": job.max_new_tokens, "temperature": job.temperature, "top_p": job.top_p,
             "top_k": 0, "min_p": 0.0, "seed": seed, "samplers": ["temperature", "top_p"], "return_tokens": True,
-            "cache_prompt": True}
+            "cache_prompt": cache_prompt}

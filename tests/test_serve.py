@@ -29,11 +29,13 @@ def self_bundle(tmp_path_factory):
 
 
 def test_serve_counts_tau_in_our_sampler_and_in_transformers(self_bundle, tmp_path, capsys):
-    for engine, sets in (("draftsmith", ["code", "math"]), ("transformers", ["math"])):
+    # two rounds in our sampler (a range to print), one in transformers: the alternation itself is unit-tested
+    # (test_the_arms_alternate_with_a_warm_up_and_server_engines_run_abba)
+    for engine, sets, rounds in (("draftsmith", ["math"], 2), ("transformers", ["math"], 1)):
         out = tmp_path / f"{engine}.json"
         code = serve.main([str(self_bundle), "--engine", engine, "--prompts", *sets, "--n-prompts", "2",
                            "--max-new-tokens", "13", "-k", "3", "--temperatures", "0", "0.8", "--raw",
-                           "--json", str(out), "--plot", str(tmp_path / f"{engine}.png")])
+                           "--rounds", str(rounds), "--json", str(out), "--plot", str(tmp_path / f"{engine}.png")])
         assert code == 0
         rep = json.loads(out.read_text())
         assert rep["k"] == 3 and rep["temperatures"] == [0.0, 0.8] and rep["template"].startswith("none")
@@ -49,12 +51,24 @@ def test_serve_counts_tau_in_our_sampler_and_in_transformers(self_bundle, tmp_pa
                 assert r["tokens_per_call"] == pytest.approx(13 / 4), (engine, r)
             assert 1 <= r["tokens_per_call"] <= 4
             if engine == "draftsmith":
-                assert r["acceptance_by_position"] == [1.0, 1.0, 1.0] and r["alpha"] == 1.0
+                # unconditional, as vLLM gives it: the cut loop drafts 1 token, so positions 2 and 3 are reached in
+                # 3 of 4 passes; given that they are reached, every one is accepted
+                assert r["acceptance_by_position"] == [1.0, 0.75, 0.75] and r["alpha"] == 1.0
+                assert r["native"]["acceptance_by_position_conditional"] == [1.0, 1.0, 1.0]
             else:
                 assert r["acceptance_by_position"] is None  # transformers gives none
+            # both arms timed over two rounds, both arms' tokens counted; greedy: the outputs are the same
+            assert r["rounds"] == rounds and len(r["speedup_by_round"]) == rounds
+            assert r["new_tokens_plain"] == rounds * 2 * 13
+            if r["temperature"] == 0:
+                assert r["drafting_rule"] is None and r["greedy_mismatches"] == 0
+                assert r["greedy_compared"] == 2 * rounds
+            else:
+                assert r["drafting_rule"] == serve.SAMPLED
         assert (tmp_path / f"{engine}.png").read_bytes()[:4] == b"\x89PNG"
         text = capsys.readouterr().out
-        assert "acceptance length tau" in text and serve.SOURCE[engine] in text
+        assert "acceptance length tau" in text and serve.SOURCE[engine] in text and serve.POSITION in text
+        assert f"drafting rule: {serve.SAMPLED}" in text and "tokens plain/spec" in text
 
 
 def test_each_engine_runs_at_the_k_the_bundle_measured_fastest_there(self_bundle):
@@ -91,13 +105,148 @@ def test_vllms_measured_k_reaches_both_configs_vllm_reads(tmp_path):
 
 
 def test_tau_is_read_from_each_engines_counters():
-    """vLLM: 1 + accepted / drafts, per position over drafts; llama.cpp: its totals, tokens / (tokens - accepted)."""
-    out = Output([[[1] * 30]], 1.0, drafted=40, accepted=20,
+    """One definition, read from each engine's own counters: tokens per verification pass, the prompt pass and its
+    token excluded. vLLM: (tokens - requests) / drafts, its own 1 + accepted / drafts kept beside; per position
+    over drafts (unconditional); llama.cpp: (tokens - requests) / (tokens - requests - accepted)."""
+    out = Output([[[1] * 31]], 1.0, drafted=40, accepted=20,
                  extra={"spec_decode_num_drafts": 10, "accepted_per_pos": [8, 7, 5, 0]})
-    assert serve.tau_of("vllm", out, 4) == (3.0, [0.8, 0.7, 0.5, 0.0])
-    assert serve.tau_of("llamacpp", Output([[[1] * 30]], 1.0, drafted=40, accepted=20), 4) == (3.0, None)
-    assert serve.caveat("vllm", "cpu", 0.8).endswith("(vLLM issue 55005)") and serve.caveat("vllm", "cpu", 0) is None
-    assert serve.caveat("vllm", "cuda", 0.8) is None and "exact match" in serve.caveat("llamacpp", None, 1.0)
+    tau, pos, native = serve.tau_of("vllm", out, 4)
+    assert (tau, pos) == (3.0, [0.8, 0.7, 0.5, 0.0]) and native["vllm_mean_acceptance_length"] == 3.0
+    # vLLM counts drafts accepted past EOS or max_tokens: 29 tokens where its counters say 3 per pass
+    tau, _, native = serve.tau_of("vllm", Output([[[1] * 29]], 1.0, 40, 20, {"spec_decode_num_drafts": 10}), 4)
+    assert tau == pytest.approx(2.8) and native["vllm_mean_acceptance_length"] == 3.0
+    tau, pos, native = serve.tau_of("llamacpp", Output([[[1] * 31]], 1.0, drafted=40, accepted=20), 4)
+    assert (tau, pos) == (3.0, None) and native["llamacpp_draft_acceptance_rate"] == 0.5
+    assert serve.caveat("vllm", "cpu", 0.8).endswith("(speed-up invalid)") and serve.caveat("vllm", "cpu", 0) is None
+    assert serve.caveat("vllm", "cuda", 0.8) is None and serve.caveat("llamacpp", None, 1.0) is None
+
+
+def _engine_counters(n_tokens: int, k: int, engine: str) -> Output:
+    """What each engine's counters record for one request of `n_tokens` when every draft is accepted (draft =
+    target, greedy), following each engine's own schedule (bench_serve_audit.md F1, read from their code):
+    - vLLM: the prompt pass emits 1 token; each later pass drafts K (not capped at max_tokens) and counts all K
+      accepted before the output is cut at max_tokens;
+    - llama.cpp: the prompt pass emits 1 token; drafts are capped at n_remaining - 1 (`get_n_draft_max`);
+    - our sampler: the prefill emits nothing; every pass drafts max(1, min(K, remaining - 1)) and emits up to K+1;
+    - transformers: the first pass is the prompt and the first drafts; counted passes, as ours."""
+    if engine == "vllm":
+        emitted, drafts, accepted = 1, 0, 0
+        while emitted < n_tokens:
+            drafts, accepted, emitted = drafts + 1, accepted + k, emitted + k + 1
+        return Output([[[7] * n_tokens]], 1.0, k * drafts, accepted,
+                      {"spec_decode_num_drafts": drafts, "accepted_per_pos": [drafts] * k})
+    if engine == "llamacpp":
+        emitted, drafted = 1, 0
+        while emitted < n_tokens:
+            d = min(k, n_tokens - emitted - 1)
+            drafted, emitted = drafted + d, emitted + d + 1
+        return Output([[[7] * n_tokens]], 1.0, drafted, drafted)
+    emitted, passes, acc, tested = 0, 0, [0] * k, [0] * k
+    while emitted < n_tokens:
+        d = max(1, min(k, n_tokens - emitted - 1))
+        passes, emitted = passes + 1, emitted + d + 1
+        for i in range(d):
+            acc[i], tested[i] = acc[i] + 1, tested[i] + 1
+    extra = {"target_passes": passes}
+    if engine == "draftsmith":
+        extra.update(accepted_at=acc, tested_at=tested)
+    return Output([[[7] * n_tokens]], 1.0, extra=extra)
+
+
+def test_the_fixed_case_reads_tokens_per_verification_pass_in_every_engine():
+    """Draft = target, K 3, 13 tokens (the case the slow serve test runs in our sampler and transformers): each
+    engine's counters give tokens per verification pass. vLLM and llama.cpp spend a prompt pass that emits the first
+    token (1 + 4 + 4 + 4), ours and transformers a last pass cut to 1 token (4 + 4 + 4 + 1): one definition, two
+    schedules, so 4.0 against 3.25. Before the fix llama.cpp read 13 / (13 - 9) = 3.25 (the prompt pass in its
+    denominator) and vLLM 4.0; at 12 tokens vLLM read 4.0, its counters holding a draft it cut."""
+    taus = {e: serve.tau_of(e, _engine_counters(13, 3, e), 3) for e in ("vllm", "llamacpp", "draftsmith",
+                                                                         "transformers")}
+    assert {e: t[0] for e, t in taus.items()} == {"vllm": 4.0, "llamacpp": 4.0, "draftsmith": 3.25,
+                                                  "transformers": 3.25}
+    assert taus["vllm"][2]["vllm_mean_acceptance_length"] == 4.0
+    # the schedules' phase flips at 12 tokens: vLLM's prompt token + 4 + 4 + a pass cut to 3 (its counters still
+    # hold 3 accepted there: 1 + 9 / 3 = 4.0 natively), ours 4 + 4 + 4
+    taus = {e: serve.tau_of(e, _engine_counters(12, 3, e), 3) for e in ("vllm", "llamacpp", "draftsmith",
+                                                                         "transformers")}
+    assert {e: round(t[0], 4) for e, t in taus.items()} == {"vllm": 3.6667, "llamacpp": 3.6667, "draftsmith": 4.0,
+                                                            "transformers": 4.0}
+    assert taus["vllm"][2]["vllm_mean_acceptance_length"] == 4.0
+    # per position, unconditional in both engines that give it: 1 + their sum is tau where nothing is cut
+    assert serve.tau_of("vllm", _engine_counters(13, 3, "vllm"), 3)[1] == [1.0, 1.0, 1.0]
+    assert serve.tau_of("draftsmith", _engine_counters(12, 3, "draftsmith"), 3)[1] == [1.0, 1.0, 1.0]
+
+
+def test_rows_name_their_drafting_rule_and_vllms_cpu_build_from_its_device(monkeypatch):
+    """T > 0: our sampler and transformers sample the draft (min(1, p/q)); llama.cpp, and vLLM unless its config
+    says probabilistic, draft greedily and keep a draft equal to the target's sample. vLLM's CPU build is found from
+    vLLM's platform, not from the package's name (a source build is the distribution `vllm`)."""
+    from types import SimpleNamespace
+
+    from draftsmith.engines import vllm
+
+    assert serve.drafting_rule("draftsmith", 0.0) is None and serve.drafting_rule("transformers", 0.8) == serve.SAMPLED
+    assert serve.drafting_rule("llamacpp", 0.8) == serve.GREEDY and serve.drafting_rule("vllm", 0.8) == serve.GREEDY
+    handle = SimpleNamespace(draft_sampling=lambda: "probabilistic")
+    assert serve.drafting_rule("vllm", 0.8, handle) == serve.SAMPLED
+    engine = vllm.VllmEngine.__new__(vllm.VllmEngine)
+    engine.python, engine._build, engine._version = "python", None, None
+    said = "INFO some import log\nbuild: cpu 0.32.0\n"  # a source build: distribution `vllm`, device cpu
+    monkeypatch.setattr(vllm.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout=said, returncode=0))
+    assert engine.build() == "cpu" and engine.version() == "0.32.0"
+    assert "current_platform.device_type" in vllm.BUILD_PROBE
+
+
+def test_the_arms_alternate_with_a_warm_up_and_server_engines_run_abba():
+    """In this process: an untimed warm-up per arm, then each job plain and speculative, the next job the other
+    way round; an engine that starts a server per run: plain, speculative, speculative, plain (ABBA)."""
+    class Log:
+        name, batches = "draftsmith", True
+
+        def __init__(self, server):
+            self.starts_per_run, self.calls = server, []
+
+        def run(self, jobs, speculative):
+            self.calls.append(("S" if speculative else "P", len(jobs), jobs[0].max_new_tokens))
+            return [Output([[[1, 2]] for _ in j.prompts], 0.1, 1, 1, {"target_passes": 1}) for j in jobs]
+
+    reqs = {("math", 0.0, 1): [(0, [5, 6]), (1, [7, 8])]}
+    here = Log(False)
+    keys, plain, spec = serve._run(here, reqs, 1.0, 16, 0, rounds=2)
+    assert here.calls == [("P", 1, 8), ("S", 1, 8), ("P", 1, 16), ("S", 1, 16), ("S", 1, 16), ("P", 1, 16),
+                          ("P", 1, 16), ("S", 1, 16), ("S", 1, 16), ("P", 1, 16)]
+    assert len(plain) == len(spec) == 2 and all(len(r) == 2 for r in plain + spec)
+    server = Log(True)
+    keys, plain, spec = serve._run(server, reqs, 1.0, 16, 0, rounds=2)
+    assert [c[0] for c in server.calls] == ["P", "S", "S", "P"] and all(c[1] == 3 for c in server.calls)
+    assert all(len(r) == 2 for r in plain + spec)  # the warm-up job is dropped
+
+
+def test_rows_count_greedy_mismatches_and_say_when_the_range_holds_one():
+    keys = [("math", 0.0, 1, [0]), ("math", 0.0, 1, [1])]
+
+    def out(tokens, seconds):
+        return Output([[tokens]], seconds, 3, 3, {"target_passes": 2})
+
+    plain = [[out([1, 2, 3], 1.0), out([4, 5], 1.0)], [out([1, 2, 3], 1.0), out([4, 5], 1.0)]]
+    spec = [[out([1, 2, 3], 0.8), out([4, 9], 0.8)], [out([1, 2, 3], 1.25), out([4, 9], 1.25)]]
+    (row,) = serve._rows("draftsmith", None, None, keys, plain, spec, 1.0, 3, 1)
+    assert (row["greedy_mismatches"], row["greedy_compared"]) == (2, 4)
+    assert row["greedy_first_mismatch"] == {"prompt": 1, "round": 0, "position": 1, "plain": [5],
+                                            "speculative": [9]}
+    assert row["speedup_by_round"] == pytest.approx([1.25, 0.8]) and row["speedup_crosses_1"]
+    lines = serve.row_notes(row)
+    assert any("holds 1.0" in x for x in lines) and any("2 of 4 outputs differ" in x for x in lines)
+    assert row["new_tokens_plain"] == row["new_tokens_speculative"] == 10
+    (vrow,) = serve._rows("vllm", None, "cpu", [("math", 0.8, 1, [0])], [[plain[0][0]]], [[spec[0][0]]], 1.0, 3, 1)
+    assert not vrow["speedup_valid"] and "greedy_mismatches" not in vrow and vrow["drafting_rule"] == serve.GREEDY
+
+
+def test_the_plot_marks_rows_with_notes(tmp_path):
+    row = {"set": "math", "turn": 1, "batch": 1, "temperature": 0.8, "tokens_per_call": 2.0, "speedup": 1.1,
+           "speedup_valid": False, "speedup_by_round": [1.0, 1.2], "note": "broken", "drafting_rule": serve.GREEDY}
+    serve.plot({"engine": "vllm", "version": "0.32.0", "k": 3, "rows": [row, {**row, "note": None,
+                "drafting_rule": None, "speedup_valid": True}]}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_serve_refuses_a_target_without_a_chat_template_unless_raw(self_bundle, capsys):
@@ -302,10 +451,10 @@ def test_chat_turn_two_holds_the_engines_own_turn_one_answer(tmp_path):
     rows = serve.measure(engine, "draftsmith", {"c": serve.encode(tok, first, False)}, [0.0], 1.0, 8, 2, 0,
                          follow=follow)
     assert [(r["set"], r["turn"], r["prompts"]) for r in rows] == [("c", 1, 2), ("c", 2, 1)]  # one has a turn 2
-    turn2 = [(spec, j) for spec, j in engine.jobs[4:]]
-    assert len(turn2) == 2 and {spec for spec, _ in turn2} == {False, True}
+    turn2 = [(spec, j) for spec, j in engine.jobs if "And its colour?" in tok.decode(j.prompts[0])]
+    assert {spec for spec, _ in turn2} == {False, True}
     (prompt,) = turn2[0][1].prompts
-    assert turn2[1][1].prompts == [prompt]  # plain and speculative: the same turn-2 prompt
+    assert all(j.prompts == [prompt] for _, j in turn2)  # plain and speculative: the same turn-2 prompt
     expected = tok.apply_chat_template(
         [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "PINEAPPLE SPEC ANSWER"},
          {"role": "user", "content": "And its colour?"}], tokenize=False, add_generation_prompt=True)
@@ -328,7 +477,7 @@ def test_serve_at_batch_sizes_in_our_sampler_and_refused_by_transformers(self_bu
     out = tmp_path / "b.json"
     assert serve.main([str(self_bundle), "--engine", "draftsmith", "--prompts", "math", "--n-prompts", "3",
                        "--max-new-tokens", "9", "-k", "2", "--temperatures", "0", "--raw", "--batch", "1", "2",
-                       "--json", str(out)]) == 0
+                       "--rounds", "1", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["batches"] == [1, 2] and [(r["batch"], r["turn"]) for r in rep["rows"]] == [(1, 1), (2, 1)]
     for r in rep["rows"]:

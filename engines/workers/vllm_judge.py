@@ -32,8 +32,11 @@ def main(request_path: str, result_path: str) -> None:
     # eager mode and a small window (512 tokens, or the longest prompt and its answer): the CPU build's compile step
     # and default KV space cost minutes and GBs
     t0 = time.perf_counter()
+    # the prefix cache off for timed runs (bench serve): a row would otherwise find its prompts' KV blocks cached
+    # by the row before it on the same prompts
     llm = LLM(model=req["target"], speculative_config=req["speculative_config"], dtype=req["dtype"],
-              max_model_len=req.get("max_model_len", 512), enforce_eager=True, seed=0, disable_log_stats=False)
+              max_model_len=req.get("max_model_len", 512), enforce_eager=True, seed=0, disable_log_stats=False,
+              enable_prefix_caching=req.get("enable_prefix_caching", True))
     print(f"draftsmith: engine started in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     results = []
     for i, job in enumerate(req["jobs"]):
