@@ -206,6 +206,10 @@ class DraftModule(L.LightningModule):
         return self.target
 
     def on_fit_start(self):
+        if self.row_positions is not None and self.global_rank == 0:
+            pos = self.row_positions
+            print(f"draftsmith: data.rows={'packed' if self.packed else 'sample'}: {len(pos)} rows of whole samples "
+                  f"({int((pos == 0).sum())} samples), {float((pos < 0).float().mean()):.0%} padding", flush=True)
         self.place_target()
         self.objective.to(self.device)
         if self.on_policy is not None:  # every rank its own samples, not the same ones world_size times
