@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import atomic_path, cache_home
-from draftsmith.sampling.load import stdlib_sources
+from draftsmith.sampling.names import stdlib_sources
 
 _BUILDERS = {".txt": "text", ".py": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
              ".csv": "csv"}

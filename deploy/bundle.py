@@ -68,7 +68,7 @@ def open_bundle(path, target: str | None = None) -> Bundle:
 
 
 def _target_dir(path: Path, ref: dict, given: str | None) -> Path:
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
 
     if ref.get("path") == "target":
         target_dir = path / "target"

@@ -36,10 +36,10 @@ from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.exactness import CHI_PROMPT, LEVEL, PairCells, chi2_power, pair_cells, two_sample_pvalue
 from draftsmith.sampling.feature import FeatureTap, is_feature_draft
-from draftsmith.sampling.load import DTYPE_CHOICES, load_model
 from draftsmith.sampling.machine import machine
 from draftsmith.sampling.probs import SamplingConfig, sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 from draftsmith.sampling.speculative import last_probs
 
 
@@ -104,7 +104,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
     from draftsmith.engines.base import Job
 
     tok = AutoTokenizer.from_pretrained(bundle.target_dir)
-    reference = load_model(str(bundle.target_dir), "fp32")
+    reference = prepared_model(str(bundle.target_dir), "fp32")
     eos = reference.generation_config.eos_token_id
     if texts is None:
         texts = [r["prompt"] for ps in ("code", "english") for r in load_prompts(ps, (n_prompts + 1) // 2)]
@@ -142,7 +142,7 @@ def check(bundle: Bundle, engine, settings: list[Setting], *, draws: int = 2000,
             j += 1
         else:
             cfg = SamplingConfig(s.temperature, 0, s.top_p)
-            draft = draft or load_model(str(bundle.draft_dir), "fp32")
+            draft = draft or prepared_model(str(bundle.draft_dir), "fp32")
             r = _judge_sampling(reference, draft, chi_prompt, cfg, draws, eos, plain[j], spec[j], prompts,
                                 plain[j + 1], spec[j + 1], level)
             timed = (plain[j + 1], spec[j + 1])

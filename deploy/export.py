@@ -37,10 +37,12 @@ from draftsmith.sampling.cli import engine_k, examples
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.load import ALIASES, DTYPE_CHOICES, load_model, load_tokenizer, resolve, tokenizer_mismatches
+from draftsmith.sampling.load import load_tokenizer, tokenizer_mismatches
 from draftsmith.sampling.machine import default_device, device_of, wandb_mode
+from draftsmith.sampling.names import ALIASES, resolve
 from draftsmith.sampling.precision import describe_run, device_name, run_info
 from draftsmith.sampling.pruned import TOKEN_COUNTS, PrunedHeadDraft, split_head, token_counts_file
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 from draftsmith.sampling.stats import TAU
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -271,17 +273,17 @@ def export(src: Path, out: Path, *, target_arg=None, copy_target=False, prompt_s
     out = Path(out).resolve()
     target_dir = resolve(target_name)
     device = device or default_device()
-    target, target_tok = load_model(target_name, dtype, device=device), load_tokenizer(target_name)
+    target, target_tok = prepared_model(target_name, dtype, device=device), load_tokenizer(target_name)
     if src.suffix == ".ckpt":
         arch = src.parent.parent / "best_draft"
         if not (arch / "config.json").is_file():
             raise DraftsmithError(f"{arch} is missing: the checkpoint's architecture comes from the run's best_draft/")
-        model, head = split_head(load_model(str(arch), "fp32"))  # the checkpoint holds the plain model's weights
+        model, head = split_head(prepared_model(str(arch), "fp32"))  # the checkpoint holds the plain model's weights
         draft = draft_from_checkpoint(model, str(src), device=device)
         draft = (draft if head is None else PrunedHeadDraft(draft, head)).to(target.dtype)
         draft_tok = load_tokenizer(str(arch))
     else:
-        draft = load_model(str(src), dtype, device=device)
+        draft = prepared_model(str(src), dtype, device=device)
         # a peer's EAGLE-3 head (sampling/peers.py) ships no tokenizer: it is the target's, written into the bundle
         peer = is_feature_draft(draft) and not any(src.glob("tokenizer*"))
         draft_tok = target_tok if peer else load_tokenizer(str(src))
@@ -450,7 +452,7 @@ def _previous(out: Path) -> Path:
 
 def reload_check(bundle: Path, target, target_tok, spec: dict, sampler: dict) -> None:
     """Load the bundle back as a user would; our sampler must reproduce the recorded acceptance exactly."""
-    draft = load_model(str(bundle / "draft"), spec["dtype"]["draft"], device=device_of(target))
+    draft = prepared_model(str(bundle / "draft"), spec["dtype"]["draft"], device=device_of(target))
     check_pair(target_tok, load_tokenizer(str(bundle / "draft")), target, draft)
     with torch.inference_mode():
         again = measure_pair(target, draft, target_tok, sampler, spec["prompt_sets"], spec["n_prompts"],

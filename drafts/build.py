@@ -124,7 +124,7 @@ class TargetWeights:
         """The target `name`'s weights, or None where they are not in safetensors files."""
         from transformers import AutoConfig
 
-        from draftsmith.sampling.load import resolve
+        from draftsmith.sampling.names import resolve
 
         path = resolve(name)
         if not any(path.glob("*.safetensors")):
@@ -208,7 +208,8 @@ def _load_weights(draft, path: str) -> None:
     """Copy a saved draft's weights into `draft` (same shapes), refusing any other checkpoint in one line."""
     from safetensors.torch import load_file
 
-    from draftsmith.sampling.load import check_weight_files, resolve
+    from draftsmith.sampling.load import check_weight_files
+    from draftsmith.sampling.names import resolve
 
     src = resolve(path)
     check_weight_files(src)

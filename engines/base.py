@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftsmith.sampling.cli import engine_k
-from draftsmith.sampling.load import load_model
 from draftsmith.sampling.pruned import split_head
+from draftsmith.sampling.runtime import prepared_model
 
 
 @dataclass
@@ -64,8 +64,8 @@ class InProcess(Engine):
         self.bundle = bundle
         dtypes = bundle.spec.get("dtype", {}) if dtype == "bundle" else {"target": dtype, "draft": dtype}
         self.precision = dtypes.get("target", "fp32")
-        self.target = load_model(str(bundle.target_dir), self.precision)
-        self.draft = load_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
+        self.target = prepared_model(str(bundle.target_dir), self.precision)
+        self.draft = prepared_model(str(bundle.draft_dir), dtypes.get("draft", "fp32"))
         if not self.pruned_head:
             self.draft = split_head(self.draft)[0]
         self.k = engine_k(bundle.spec, self.name)

@@ -33,8 +33,8 @@ from safetensors.torch import load_file
 from draftsmith.engines import process_tree
 from draftsmith.engines.base import Engine, Output
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.load import resolve
 from draftsmith.sampling.machine import cache_home
+from draftsmith.sampling.names import resolve
 
 VERSION = "0.32.0"
 INSTALL = "draftsmith engines install vllm"

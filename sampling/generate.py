@@ -21,11 +21,12 @@ import torch
 from draftsmith.sampling.cli import Draft, add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_dir, is_feature_draft
-from draftsmith.sampling.load import DTYPE_CHOICES, check_same_tokenizer, load_model, load_tokenizer
+from draftsmith.sampling.load import check_same_tokenizer, load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of, seeded
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import user_turn
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 from draftsmith.sampling.speculative import autoregressive_generate, speculative_generate
 from draftsmith.sampling.stats import TAU
 
@@ -119,14 +120,14 @@ def main(argv=None, prog=None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         tok = load_tokenizer(args.target)
-        target = load_model(args.target, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+        target = prepared_model(args.target, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         draft = None
         if source is not None:
             # a peer's EAGLE-3 head ships no tokenizer (it is the target's); its vocabulary is checked against the
             # target's when the pair runs (FeatureConfig.check_target)
             if not is_feature_dir(source.path) or any(Path(source.path).glob("tokenizer*")):
                 check_same_tokenizer(tok, load_tokenizer(source.path))
-            draft = load_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+            draft = prepared_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
                 raise DraftsmithError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
                                       "training (draft.draft_vocab)")

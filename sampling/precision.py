@@ -48,8 +48,15 @@ def run_info(**models) -> dict:
     """What a speed figure ran on: the machine, the device the models ran on (the first model's; a GPU box's
     figures may still be the CPU's) and each model's precision (`target=..., draft=...`)."""
     first = next(iter(models.values()))
-    return {"machine": machine(), "device": device_name(device_of(first)),
+    info = {"machine": machine(), "device": device_name(device_of(first)),
             "dtype": {name: dtype_name(m.dtype) for name, m in models.items()}}
+    # how each precision was chosen (asked, gpu, fixed, probed, timed) and the CPU kernels installed, where the
+    # command's own steps (sampling/runtime.py) recorded them on the model
+    chosen = {name: m.draftsmith_choices for name, m in models.items() if hasattr(m, "draftsmith_choices")}
+    if chosen:
+        info["chosen"] = {name: {"dtype_by": c["dtype_by"], "kernels": {str(r): k for r, k in c["kernels"].items()}}
+                          for name, c in chosen.items()}
+    return info
 
 
 def device_name(device) -> str:
@@ -66,7 +73,16 @@ def describe_run(info: dict) -> str:
     m = info["machine"]
     device = info.get("device", "cuda" if m["cuda"] else "cpu")  # records made before the device was kept
     where = device if device.startswith("cuda") else f"{m['cpu']}, {_describe(m)}"
-    return f"{where}, torch {m['torch']}; " + ", ".join(f"{k} {v}" for k, v in info["dtype"].items())
+    chosen = info.get("chosen", {})
+
+    def how(name):  # "(timed)", "(timed; kernels 1:onednn 5:padded)": what the command's steps chose
+        c = chosen.get(name)
+        if not c:
+            return ""
+        kern = " ".join(f"{r}:{k}" for r, k in c["kernels"].items() if k != "linear")
+        return f" ({c['dtype_by']}{'; kernels ' + kern if kern else ''})"
+
+    return f"{where}, torch {m['torch']}; " + ", ".join(f"{k} {v}{how(k)}" for k, v in info["dtype"].items())
 
 
 def _median_ms(fn, reps: int, budget_s: float) -> float:

@@ -4,7 +4,8 @@ import json
 
 from draftsmith.deploy.bench.acceptance import main
 from draftsmith.drafts.evaluate import alpha_on_samples, target_samples
-from draftsmith.sampling.load import load_model, load_tokenizer, resolve
+from draftsmith.sampling.load import load_model, load_tokenizer
+from draftsmith.sampling.names import resolve
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
 

@@ -44,7 +44,7 @@ def demo_bundle(demo_target, tmp_path_factory):
     from draftsmith.deploy.export import export
     from draftsmith.drafts.build import truncated_target
     from draftsmith.drafts.saved import save_draft
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
     from draftsmith.sampling.pruned import top_tokens
 
     target, tok = demo_target
@@ -142,7 +142,7 @@ def _layer0_feature_bundle(target, tok, counts, root):
     exported to root/bundle."""
     from draftsmith.deploy.export import export
     from draftsmith.drafts.feature import build_feature_draft
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
 
     draft = build_feature_draft(target, FEATURE_LAYERS, 8192, counts)
     H = target.config.hidden_size
@@ -356,7 +356,7 @@ def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classe
     import shutil
     import subprocess
 
-    import draftsmith.sampling.load as load
+    import draftsmith.sampling.names as names
 
     bundle = open_bundle(feature_bundle)
     run = [str(vllm_python()), "-c", SPECULATORS_CHECK]
@@ -365,7 +365,7 @@ def test_the_feature_drafts_config_is_read_by_the_speculators_formats_own_classe
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["class"] == "Eagle3SpeculatorConfig" and got["layers"] == FEATURE_LAYERS
     assert got["draft_vocab"] == 8192 and got["target_hidden"] == 576
-    assert got["verifier"] == str(load.resolve("smollm2-135m")) and got["k"] == bundle.spec["recommended_k"]
+    assert got["verifier"] == str(names.resolve("smollm2-135m")) and got["k"] == bundle.spec["recommended_k"]
     assert got["vllm"] == {"method": "eagle3", "num_speculative_tokens": bundle.spec["recommended_k"]}
 
     broken = tmp_path / "draft"
@@ -501,7 +501,7 @@ def test_vllm_regenerates_chat_turn_by_turn_after_its_check(demo_target, tmp_pat
     assert [len(s) for s in sent] == [2, 2]  # only the second batch was asked for again
 
 
-# the trainer's corpus step (`_generated_corpus`) as `python train/draft.py ... data=generated
+# the trainer's corpus step (`train/prepare.py` generated_corpus) as `python train/draft.py ... data=generated
 # data.generated.engine=vllm` runs it, at the default precision (target.dtype=auto: bf16 on a CPU with native bf16),
 # in a process of its own; argv: the recipes, how the run ends
 CORPUS_RUN = """
@@ -510,7 +510,7 @@ from hydra import compose, initialize_config_dir
 from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.prompts import load_prompts
-from draftsmith.train import draft
+from draftsmith.train import prepare, target
 from draftsmith.drafts.build import TargetWeights
 
 recipes, ending = sys.argv[1:3]
@@ -518,20 +518,20 @@ with initialize_config_dir(config_dir=recipes, version_base="1.3"):
     cfg = compose("draft", ["recipe=smoke", "target.name=smollm2-135m", "data=generated", "data.generated.engine=vllm",
                             "data.generated.batch_size=4", "data.generated.max_new_tokens=16", "out_dir=unused"])
 if ending == "error":  # a planted bug: the engine is judged at twice the temperature it samples at
-    sampling = draft.SamplingConfig
-    draft.SamplingConfig = lambda t, k, p: sampling(2 * t, k, p)
+    sampling = prepare.SamplingConfig
+    prepare.SamplingConfig = lambda t, k, p: sampling(2 * t, k, p)
 held = []
 
 def teacher():
     if not held:
         print("test: the target loads", file=sys.stderr, flush=True)
-        held.append(draft._load_target(cfg))
+        held.append(target.load_target(cfg))
     return held[0]
 
 prompts = [r["prompt"] for r in load_prompts("code", 8)]
-path = draft._generated_corpus(cfg, teacher, load_tokenizer(cfg.target.name), prompts,
-                               TargetWeights.of(cfg.target.name).config, cache_home())
-print(path, draft._target_dtype(cfg), held[0].dtype)  # the last line of the output
+path = prepare.generated_corpus(cfg, teacher, load_tokenizer(cfg.target.name), prompts,
+                                TargetWeights.of(cfg.target.name).config, cache_home())
+print(path, target.target_dtype(cfg), held[0].dtype)  # the last line of the output
 """
 
 
@@ -552,8 +552,8 @@ def test_vllm_samples_at_the_default_precision_and_its_processes_end_with_the_ru
     from conftest import ROOT
     from helpers import processes_after
 
-    from draftsmith.sampling.load import resolve
     from draftsmith.sampling.machine import cache_home
+    from draftsmith.sampling.names import resolve
 
     resolve("smollm2-135m")  # the demo target, fetched once
     home = tmp_path / "home"  # a fresh home (no cached verdict, no cached corpus) with the demo target in it

@@ -50,7 +50,8 @@ def test_bundle_layout_and_acceptance_card(bundle):
 
 
 def test_bundle_runs_in_transformers_assisted_generation_and_in_our_sampler(bundle):
-    from draftsmith.sampling.load import load_model, resolve
+    from draftsmith.sampling.load import load_model
+    from draftsmith.sampling.names import resolve
 
     _, out = bundle
     target = AutoModelForCausalLM.from_pretrained(resolve("tiny-random"))

@@ -8,7 +8,7 @@ from importlib import import_module
 
 import pytest
 
-from draftsmith.sampling.load import DTYPE_CHOICES
+from draftsmith.sampling.runtime import DTYPE_CHOICES
 
 VERBS = {"generate": "draftsmith.sampling.generate", "export": "draftsmith.deploy.export",
          "deploy-check": "draftsmith.deploy.conformance", "bench paper": "draftsmith.deploy.bench.paper",

@@ -82,7 +82,7 @@ def test_entry_refuses_a_target_vllms_cpu_build_cannot_run_before_it_starts(tmp_
 
 def _pairs_file(path, n=40):
     """Prompt + completion pairs as another engine's log would hold them: openings of stdlib files and what follows."""
-    from draftsmith.sampling.load import stdlib_sources
+    from draftsmith.sampling.names import stdlib_sources
 
     texts = [f.read_text(errors="ignore") for f in sorted(stdlib_sources())[:n]]
     rows = [{"prompt": t[:120], "completion": t[120:900]} for t in texts if len(t) > 900]
@@ -195,7 +195,7 @@ def test_the_engine_check_passes_our_loop_and_refuses_a_planted_wrong_sampler(de
 
 
 def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(fake_vllm, tmp_path, monkeypatch):
-    """data.generated.engine=vllm through the trainer's own code (`_generated_corpus`): vLLM starts before the target
+    """data.generated.engine=vllm through the trainer's own code (`prepare.generated_corpus`): vLLM starts before the target
     loads (on a GPU it takes data.generated.gpu_memory_utilization of it first, and the target fits beside it), runs
     the dtype the target loads in (bf16 wherever precision=auto picks it) and is judged against that target itself:
     one load of the target, in its own dtype, after vLLM's start; no fp32 copy. The stand-in engine samples wrongly:
@@ -205,8 +205,9 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from draftsmith.drafts.build import TargetWeights
-    from draftsmith.sampling.load import load_tokenizer, resolve
-    from draftsmith.train import draft
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.sampling.names import resolve
+    from draftsmith.train import prepare, target
 
     target_dir = tmp_path / "target-hd64"  # tiny-random's tokenizer, a head_dim vLLM's CPU attention takes
     LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
@@ -219,13 +220,13 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     monkeypatch.setenv("FAKE_VLLM", "exit")
     monkeypatch.setenv("FAKE_VLLM_REQUEST", str(tmp_path / "request.json"))
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
-    loads, load_model = [], draft.load_model
+    loads, prepared_model = [], target.prepared_model
 
     def counting(name, dtype="auto", **kw):
         loads.append((dtype, (tmp_path / "request.json").exists()))  # the worker writes it as vLLM starts
-        return load_model(name, dtype, **kw)
+        return prepared_model(name, dtype, **kw)
 
-    monkeypatch.setattr(draft, "load_model", counting)
+    monkeypatch.setattr(target, "prepared_model", counting)
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("draft", ["recipe=smoke", f"target.name={target_dir}", "data=generated",
                                 "data.generated.engine=vllm", "data.generated.gpu_memory_utilization=0.4",
@@ -234,12 +235,12 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     held = []
 
     def teacher():
-        held.append(held[0] if held else draft._load_target(cfg))
+        held.append(held[0] if held else target.load_target(cfg))
         return held[0]
 
     with pytest.raises(DraftsmithError, match=r"engine=vllm \(fake\) samples the wrong distribution"):
-        draft._generated_corpus(cfg, teacher, load_tokenizer(str(target_dir)), ["def f", "x = 1", "import", "class"],
-                                TargetWeights.of(str(target_dir)).config, tmp_path / "home")
+        prepare.generated_corpus(cfg, teacher, load_tokenizer(str(target_dir)), ["def f", "x = 1", "import", "class"],
+                                 TargetWeights.of(str(target_dir)).config, tmp_path / "home")
     request = json.loads((tmp_path / "request.json").read_text())
     assert loads == [("auto", True)]  # once, as the trainer loads it, after vLLM's start
     assert request["dtype"] == {torch.bfloat16: "bfloat16", torch.float32: "float32"}[held[0].dtype]

@@ -322,15 +322,15 @@ def test_where_the_corpus_lives_and_how_long_ranks_wait_for_it(tmp_path):
     from omegaconf import OmegaConf
 
     from draftsmith.sampling.machine import cache_home
-    from draftsmith.train.draft import _corpus_dir, _corpus_wait_s
+    from draftsmith.train.prepare import corpus_dir, corpus_wait_s
 
     cfg = OmegaConf.create({"data": {"cache_dir": None, "generated": {"enabled": True, "max_minutes": 30}},
                             "launch": {"wait_minutes": 60}})
     one, two = Launch("single", 0, 0, 0, 1, 1, 1, 0), Launch("srun", 0, 0, 0, 2, 2, 2, 0)
-    assert _corpus_dir(cfg, tmp_path, one) == cache_home()
-    assert _corpus_dir(cfg, tmp_path, two) == tmp_path / "corpus"
+    assert corpus_dir(cfg, tmp_path, one) == cache_home()
+    assert corpus_dir(cfg, tmp_path, two) == tmp_path / "corpus"
     cfg.data.cache_dir = str(tmp_path / "shared")
-    assert _corpus_dir(cfg, tmp_path, two) == _corpus_dir(cfg, tmp_path, one) == tmp_path / "shared"
-    assert _corpus_wait_s(cfg) == 90 * 60
+    assert corpus_dir(cfg, tmp_path, two) == corpus_dir(cfg, tmp_path, one) == tmp_path / "shared"
+    assert corpus_wait_s(cfg) == 90 * 60
     cfg.data.generated.enabled = False
-    assert _corpus_wait_s(cfg) == 60 * 60
+    assert corpus_wait_s(cfg) == 60 * 60

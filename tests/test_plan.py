@@ -304,7 +304,7 @@ def test_a_hub_id_fetches_its_config_json_alone(monkeypatch, tmp_path):
 
     import huggingface_hub
 
-    from draftsmith.sampling.load import config_of
+    from draftsmith.sampling.names import config_of
     from draftsmith.train.draft import RECIPES
 
     asked = []

@@ -166,19 +166,56 @@ def test_real_decode_probe_on_a_tiny_model(home):
 
 def test_load_model_auto_roles(home, monkeypatch):
     from draftsmith.sampling.load import load_model
+    from draftsmith.sampling.runtime import prepared_model
 
     stub_probe(monkeypatch, SLOW)
     monkeypatch.setattr(precision, "_decode_ms", lambda m, k, **kw: {torch.float32: 10.0,
                                                                       torch.bfloat16: 5.0}[m.dtype])
     path = str(home / "model")
     tiny_llama(vocab=16).save_pretrained(path)
-    assert load_model(path, "auto", role="teacher").dtype == torch.float32
-    auto = load_model(path, "auto", role="decode")
-    assert auto.dtype == torch.bfloat16
+    teacher = prepared_model(path, "auto", role="teacher")
+    assert teacher.dtype == torch.float32 and teacher.draftsmith_choices["dtype_by"] == "probed"
+    auto = prepared_model(path, "auto", role="decode")
+    assert auto.dtype == torch.bfloat16 and auto.draftsmith_choices == {"dtype": "bf16", "dtype_by": "timed",
+                                                                         "kernels": {}}
     # the same model a user loads with dtype=bf16, buffers included (a cast would also cast RoPE's inv_freq)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 8])
     with torch.no_grad():
         assert torch.equal(auto(input_ids=ids).logits, load_model(path, "bf16")(input_ids=ids).logits)
     assert load_model(path, "fp32").dtype == torch.float32
     with pytest.raises(ValueError, match="dtype must be one of auto"):
-        load_model(path, "half")
+        prepared_model(path, "half")
+    with pytest.raises(ValueError, match="dtype must be one of bf16, fp32, fp16, got 'auto'"):
+        load_model(path, "auto")  # choosing is runtime's step, not the loader's
+
+
+def test_loading_with_an_explicit_dtype_times_nothing_and_installs_nothing(home, monkeypatch):
+    """load_model only loads: no precision probe or model timing, no kernel table, not even a cached one; the
+    command's own step (runtime.prepared_model) installs the kernels, and says so on the model."""
+    from draftsmith.sampling import kernels
+    from draftsmith.sampling.load import load_model
+    from draftsmith.sampling.runtime import prepared_model
+
+    calls = []
+    for mod, name in [(precision, "probe"), (precision, "decode_dtype"), (precision, "verdict"),
+                      (precision, "check_choice"), (kernels, "calibrate")]:
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    installs, real_install = [], kernels.install
+    monkeypatch.setattr(kernels, "install", lambda m, **k: installs.append(m) or real_install(m, force={1: "padded"}))
+    monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+    path = str(home / "model")
+    tiny_llama(vocab=16).save_pretrained(path)
+    for dtype in ("fp32", "bf16"):
+        model = load_model(path, dtype)
+        assert not any(hasattr(m, "kernels") for m in model.modules()) and not hasattr(model, "draftsmith_choices")
+    assert calls == [] and installs == []
+    # and the step that installs them does, where a test of this one would see it
+    model = prepared_model(path, "fp32")
+    assert installs == [model] and model.draftsmith_choices == {"dtype": "fp32", "dtype_by": "asked",
+                                                               "kernels": {1: "padded"}}
+    assert any(getattr(m, "kernels", None) == {1: "padded"} for m in model.modules())
+    # what the steps chose reaches the run record and the card's line
+    info = precision.run_info(target=model, draft=load_model(path, "fp32"))
+    assert info["chosen"] == {"target": {"dtype_by": "asked", "kernels": {"1": "padded"}}}
+    assert precision.describe_run(info).endswith("target fp32 (asked; kernels 1:padded), draft fp32")

@@ -159,8 +159,8 @@ def test_a_gpu_recipe_trains_only_on_a_prepared_corpus(tmp_path):
     command, keyed by the corpus file train itself would read; once that file holds the samples, it trains."""
     from draftsmith.data.prompts import split_prompts
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.draft import _corpus_prepared, _generated_key
     from draftsmith.train.launch import detect
+    from draftsmith.train.prepare import check_prepared, generated_key
 
     tok = load_tokenizer("tiny-random")
     small = ["target.name=tiny-random", f"data.cache_dir={tmp_path / 'cache'}", "data.prompts=broad",
@@ -173,20 +173,20 @@ def test_a_gpu_recipe_trains_only_on_a_prepared_corpus(tmp_path):
     run.mkdir()
     with pytest.raises(ValueError, match=r"holds 0 of its 6 samples: prepare it first with `draftsmith data "
                                          r"recipe=\S+") as e:
-        _corpus_prepared(gpu, tok, files, run, detect())
+        check_prepared(gpu, tok, files, run, detect())
     assert "\n" not in str(e.value)
-    _corpus_prepared(cpu, tok, files, run, detect())  # the CPU demo samples in the run: one command
-    prompts, name = _generated_key(gpu, tok, files)
+    check_prepared(cpu, tok, files, run, detect())  # the CPU demo samples in the run: one command
+    prompts, name = generated_key(gpu, tok, files)
     corpus = tmp_path / "cache" / "generated" / f"{name}.jsonl"
     corpus.parent.mkdir(parents=True)
     corpus.write_text('{"text": "x"}\n' * 5)
     with pytest.raises(ValueError, match="holds 5 of its 6 samples"):
-        _corpus_prepared(gpu, tok, files, run, detect())
+        check_prepared(gpu, tok, files, run, detect())
     corpus.write_text('{"text": "x"}\n' * 6)
-    _corpus_prepared(gpu, tok, files, run, detect())
+    check_prepared(gpu, tok, files, run, detect())
     corpus.unlink()
     (run / "data.json").write_text("{}")  # a resumed run reads the corpus its record names
-    _corpus_prepared(gpu, tok, files, run, detect())
+    check_prepared(gpu, tok, files, run, detect())
 
 
 def test_the_data_command_prepares_the_corpus_a_gpu_recipe_checks_for(tmp_path):
@@ -194,8 +194,8 @@ def test_the_data_command_prepares_the_corpus_a_gpu_recipe_checks_for(tmp_path):
     counts, so the refusal clears; the target samples it (here on the CPU: the sampling is the same code)."""
     from draftsmith.data.prompts import split_prompts
     from draftsmith.sampling.load import load_tokenizer
-    from draftsmith.train.draft import _corpus_prepared, _prepare_only
     from draftsmith.train.launch import detect
+    from draftsmith.train.prepare import check_prepared, prepare_only
 
     tok = load_tokenizer("tiny-random")
     small = ["target.name=tiny-random", f"data.cache_dir={tmp_path / 'cache'}", "data.prompts=broad",
@@ -208,10 +208,10 @@ def test_the_data_command_prepares_the_corpus_a_gpu_recipe_checks_for(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     with pytest.raises(ValueError, match="holds 0 of its 3 samples"):
-        _corpus_prepared(gpu, tok, files, run, detect())
-    record = _prepare_only(here, tok, files, tmp_path / "data_run", detect())
+        check_prepared(gpu, tok, files, run, detect())
+    record = prepare_only(here, tok, files, tmp_path / "data_run", detect())
     assert record["rows"] == 3
-    _corpus_prepared(gpu, tok, files, run, detect())  # prepared: the GPU run trains
+    check_prepared(gpu, tok, files, run, detect())  # prepared: the GPU run trains
 
 
 def test_train_refuses_a_gpu_recipe_without_its_corpus_in_one_line(tmp_path):

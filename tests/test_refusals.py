@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from test_cli import cli
 
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.load import load_model, resolve
+from draftsmith.sampling.load import load_model
+from draftsmith.sampling.names import resolve
 
 
 @pytest.fixture()

@@ -279,7 +279,8 @@ def test_a_copied_bundle_loads_and_names_no_path_of_the_exporting_host(self_bund
 
 def test_a_bundle_with_its_target_travels_whole(tmp_path):
     from draftsmith.deploy.export import export
-    from draftsmith.sampling.load import load_model, load_tokenizer, resolve
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.names import resolve
 
     load_model("tiny-random", "fp32").save_pretrained(tmp_path / "draft")
     load_tokenizer("tiny-random").save_pretrained(tmp_path / "draft")
@@ -352,7 +353,8 @@ def test_a_feature_bundle_keeps_its_d2t_map_and_names_its_verifier_relative(tmp_
 
     from draftsmith.deploy.export import export
     from draftsmith.drafts.feature import build_feature_draft
-    from draftsmith.sampling.load import load_model, load_tokenizer, resolve
+    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.names import resolve
 
     target = load_model("tiny-random", "fp32")
     vocab = target.config.vocab_size

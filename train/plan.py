@@ -336,3 +336,79 @@ def feature_head_config(target_config, draft_vocab: int | None):
     c.vocab_size = draft_vocab or target_config.vocab_size
     c.tie_word_embeddings = True  # one matrix of that size: the head
     return c
+
+
+def plan_run(cfg) -> dict:
+    from draftsmith.drafts.build import draft_config_for
+    from draftsmith.sampling.names import config_of
+    from draftsmith.train.draft_init import draft_config
+    from draftsmith.train.losses import DIVERGENCES
+    from draftsmith.train.prepare import vllm_samples
+    from draftsmith.train.target import first_rank_only, ranks_setting, training_calls_target
+
+    draft_cfg = draft_config(cfg)
+    feature = draft_cfg.kind == "feature_head"
+    target_config = config_of(cfg.target.name)  # config.json alone: no weights are fetched or read
+    devices = cfg.trainer.get("devices", 1)
+    devices = devices if isinstance(devices, int) else 1
+    ranks = devices * int(cfg.trainer.get("num_nodes", 1) or 1)
+    # the target's placement as training decides it (a target.ranks=first the run would refuse is refused here)
+    loss, g = cfg.loss, cfg.data.generated
+    topk = loss.get("teacher_topk", 0)
+    distill = loss.get("distill", True) and any(loss.weights.get(n, 0) for n in DIVERGENCES)
+    vllm_samples = vllm_samples(cfg)
+    stored = feature and cfg.data.get("features", "stored") == "stored" and topk and not vllm_samples
+    why = training_calls_target(cfg, feature, feature and not stored, topk or None, bool(g.enabled))
+    first = first_rank_only(ranks_setting(cfg), why) and ranks > 1
+    precision = str(cfg.trainer.get("precision", "auto"))  # auto: what a GPU with bf16 picks (sampling/precision.py)
+    teacher = "none" if not distill else "kept" if topk else "replica"
+    shape = feature_head_config(target_config, draft_cfg.draft_vocab) if feature else \
+        draft_config_for(target_config, draft_cfg)
+    p = plan(target_config, shape, ranks, cfg.data.batch_size,
+             cfg.data.block_size, devices, precision="bf16-mixed" if precision == "auto" else precision,
+             compiled_loss=bool(loss.get("compile", True)), teacher=teacher, target_first=first,
+             columns=draft_cfg.draft_vocab, target_bytes=4 if str(cfg.target.dtype) == "fp32" else 2,
+             kept_topk=int(topk or 0), passes=draft_cfg.unroll if feature else 1)
+    if feature:
+        p.notes.append("feature head: one decoder layer of the target's width and its pruned head, counted as "
+                       "trainable (an upper bound: the head is frozen by default), plus fc's 3h x h not counted; the "
+                       f"unrolled steps (draft.unroll={draft_cfg.unroll}) each keep their activations and logits")
+    if cfg.get("plan_device_gib"):
+        device_gib, source = float(cfg.plan_device_gib), "plan_device_gib"
+    elif torch.cuda.is_available():
+        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        source = f"this machine's {torch.cuda.get_device_name(0)}; plan_device_gib=N for another"
+    else:
+        device_gib, source = DEFAULT_DEVICE_GIB, "an 80 GB H100 or A100; plan_device_gib=N for another GPU"
+    print_plan(p, cfg.target.name, target_config, device_gib, source, strategy_name(cfg.trainer))
+    print(fits_smaller(p))
+    result = {"plan": {s: p.per_rank(s) for s in STRATEGIES}, "device_gib": device_gib}
+    if g.enabled:  # the corpus' disk and the budget's hours: an estimate from the stated model (train/plan.py)
+        keep = topk if loss.get("distill", True) else 0
+        c = costs(p, samples=int(g.n_prompts) * int(g.samples_per_prompt),
+                  epochs=float(cfg.trainer.get("max_epochs") or 1), prompt_tokens=int(cfg.data.prompt_tokens),
+                  new_tokens=int(g.max_new_tokens), kept_topk=int(keep or 0),
+                  kept_features=3 * target_config.hidden_size if stored else 0,
+                  sampling_gpus=int(g.tensor_parallel_size) * int(g.data_parallel_size) if vllm_samples else 1,
+                  teacher_pass=teacher == "replica" or (feature and not stored),
+                  peak_tflops=float(cfg.plan_peak_tflops), mfu=float(cfg.plan_mfu),
+                  decode_mfu=float(cfg.plan_decode_mfu))
+        print_costs(c, cfg.data.get("cache_dir") or "$DRAFTSMITH_HOME (data.cache_dir)")
+        result["costs"] = c.__dict__
+    return result
+
+
+def strategy_name(trainer) -> str | None:
+    """The plan's name for the trainer's strategy; None for one it does not size."""
+    from omegaconf import DictConfig
+
+    st = trainer.get("strategy", "auto")
+    if isinstance(st, (dict, DictConfig)):
+        target = str(st.get("_target_", ""))
+        if target.endswith("DeepSpeedStrategy"):
+            return f"deepspeed_stage_{st.get('stage', 2)}"
+        return "fsdp" if target.endswith("FSDPStrategy") else None
+    st = str(st)
+    if st in ("auto", "ddp", "ddp_spawn", "single_device") or st.startswith("ddp"):
+        return "ddp"  # Lightning's auto picks DDP for several devices, one device alone for one (ddp's row at 1)
+    return st if st in ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp") else None

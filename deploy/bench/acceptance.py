@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from draftsmith.sampling.cli import add_artifact, artifact_of, draft_label, examples, locate_draft, target_of
-from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import default_device, device_of
 from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 
 
 def main(argv=None, prog=None) -> int:
@@ -53,10 +54,10 @@ def main(argv=None, prog=None) -> int:
         cfg = SamplingConfig(args.temperature if args.temperature is not None else s.get("temperature", 0.8), 0,
                              args.top_p if args.top_p is not None else s.get("top_p", 0.95))
         tok = load_tokenizer(target_name)
-        target = load_model(target_name, args.dtype, device=args.device)
+        target = prepared_model(target_name, args.dtype, device=args.device)
         drafts = {}
         for src in sources:
-            drafts[draft_label(src.path, drafts)] = load_model(src.path, args.dtype, device=args.device)
+            drafts[draft_label(src.path, drafts)] = prepared_model(src.path, args.dtype, device=args.device)
         sets = {}
         for ps in args.prompts:
             texts, special = ((chat_prompts(tok, args.n_prompts), False) if ps == CHAT_SET else

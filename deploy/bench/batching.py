@@ -36,7 +36,8 @@ def main(argv=None, prog=None) -> int:
 
     from draftsmith.data.chat import chat_batches, cut, padding_share, render
     from draftsmith.data.conversations import read_conversations
-    from draftsmith.sampling.load import load_tokenizer, resolve
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.sampling.names import resolve
 
     tok = load_tokenizer(a.target)
     convs = read_conversations("sharegpt", limit=a.conversations, quiet=True)

@@ -17,9 +17,10 @@ import time
 from draftsmith.data.generation import own_batches
 from draftsmith.engines import vllm
 from draftsmith.sampling.cli import examples
-from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import machine, write_json
 from draftsmith.sampling.prompts import load_prompts, pad_id, prompt_rows
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 
 
 def main(argv=None, prog=None) -> int:
@@ -36,7 +37,7 @@ def main(argv=None, prog=None) -> int:
               "the demo)", file=sys.stderr)
         return 2
 
-    tok, target = load_tokenizer(args.target), load_model(args.target, args.dtype, role="teacher")
+    tok, target = load_tokenizer(args.target), prepared_model(args.target, args.dtype, role="teacher")
     rows = prompt_rows(tok, [r["prompt"] for r in load_prompts("broad", args.batch_size)])
     common = dict(seed=0, first_row=0, max_new_tokens=args.max_new_tokens, temperature=0.8, top_p=0.95,
                   eos=tok.eos_token_id)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
-from draftsmith.sampling.load import DTYPE_CHOICES
+from draftsmith.sampling.runtime import DTYPE_CHOICES
 
 
 def _rss_mb() -> float:
@@ -34,9 +34,10 @@ def _kv_bytes_per_token(model) -> int:
 
 def child(target_name: str, draft_name: str, tokens: int, batch: int, k: int, dtype: str) -> dict:
     from draftsmith.sampling import speculative_generate
-    from draftsmith.sampling.load import load_model, load_tokenizer
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.sampling.runtime import prepared_model
 
-    target, draft = load_model(target_name, dtype), load_model(draft_name, dtype)
+    target, draft = prepared_model(target_name, dtype), prepared_model(draft_name, dtype)
     tok = load_tokenizer(target_name)
     ids = tok(["def parse(line):"] * batch, return_tensors="pt").input_ids
     loaded = _rss_mb()

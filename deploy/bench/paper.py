@@ -30,12 +30,13 @@ from draftsmith.sampling.cli import add_artifact, artifact_of, draft_label, exam
 from draftsmith.sampling.compiled import check_compilable
 from draftsmith.sampling.cost import best_k, measure_costs, predicted_speedup
 from draftsmith.sampling.feature import is_feature_draft
-from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import default_device
 from draftsmith.sampling.precision import describe_run, run_info
 from draftsmith.sampling.probs import sequence_logprob
 from draftsmith.sampling.prompts import load_prompts
 from draftsmith.sampling.pruned import PrunedHeadDraft, prune_from_dir, top_tokens
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 from draftsmith.sampling.stats import TAU, summary
 
 DOMAIN_SETTINGS = {"code": (0.8, 0.95), "english": (1.0, 0.8), "text": (1.0, 0.8)}  # the paper's nucleus settings
@@ -83,10 +84,10 @@ def main(argv=None, prog=None) -> int:
         args.draft = [d.path for d in sources]
         args.target = target_of(args.target, sources[0])
         tok = load_tokenizer(args.target)
-        target = load_model(args.target, args.dtype, device=args.device)
+        target = prepared_model(args.target, args.dtype, device=args.device)
         full_drafts = {}
         for d in args.draft:
-            full_drafts[draft_label(d, full_drafts)] = load_model(d, args.dtype, device=args.device)
+            full_drafts[draft_label(d, full_drafts)] = prepared_model(d, args.dtype, device=args.device)
         if args.compile:
             for d in full_drafts.values():
                 check_compilable(d)

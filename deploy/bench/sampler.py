@@ -31,9 +31,10 @@ from draftsmith.sampling import autoregressive_generate, speculative_generate
 from draftsmith.sampling.cli import add_artifact, artifact_of, examples, locate_draft, target_of
 from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs
-from draftsmith.sampling.load import DTYPE_CHOICES, load_model, load_tokenizer
+from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import default_device, now, seeded, write_json
 from draftsmith.sampling.precision import describe_run, run_info
+from draftsmith.sampling.runtime import DTYPE_CHOICES, prepared_model
 from draftsmith.sampling.stats import TAU, summary
 
 PROMPTS = [
@@ -83,9 +84,9 @@ def main(argv=None, prog=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = load_tokenizer(args.target)
-    target = load_model(args.target, args.dtype, device=args.device)
+    target = prepared_model(args.target, args.dtype, device=args.device)
     # default: the target's first N layers + final norm + head, the naive draft peers use (alpha ~0.05)
-    first = (load_model(args.draft, args.dtype, device=args.device) if args.draft
+    first = (prepared_model(args.draft, args.dtype, device=args.device) if args.draft
              else truncated_target(target, args.cut_layers).to(target.dtype).eval().requires_grad_(False))
     drafts = {"draft" if args.draft else "cut": first}
     if args.paper_draft:
