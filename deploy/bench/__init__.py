@@ -26,5 +26,6 @@ BENCHES = {
     "serve": ("serve", "a bundle served in an engine: acceptance length (tau) and speed-up per set"),
     "acceptance": ("acceptance", "drafts side by side on the same target samples: alpha_on_target per set"),
     "ablation": ("ablation", "the table and plot of a finished ablation multirun"),
+    "trainers": ("trainers", "our EAGLE-3 trainer beside speculators' and SpecForge's own, same samples, one judge"),
 }
 
