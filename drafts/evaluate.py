@@ -14,7 +14,7 @@ from draftsmith.sampling.probs import SamplingConfig
 from draftsmith.sampling.prompts import encode_prompts, load_prompts, pad_id, user_turn
 from draftsmith.sampling.rejection import teacher_forced_acceptance
 
-CHAT_SET = "chat"  # the held-out ShareGPT conversations' first turns, through the target's chat template
+CHAT_SET = "chat"  # the benchmark ShareGPT conversations' first turns (never trained or validated on), templated
 CHAT_PROMPT_TOKENS = 256  # a chat prompt's most tokens: longer first turns are passed over, never cut (a template cut
                           # on the left loses its header, and the draft would be judged on text no user sends)
 
@@ -41,8 +41,9 @@ def acceptance_by_set(target, draft, tokenizer, prompt_sets, *, n_prompts: int |
 
 
 def chat_prompts(tokenizer, n: int, enable_thinking: bool | None = None) -> list[str]:
-    """The first `n` held-out ShareGPT first turns whose templated prompt holds at most CHAT_PROMPT_TOKENS tokens, as
-    the template's text with the generation prompt (it holds its own special tokens)."""
+    """The first `n` benchmark ShareGPT first turns (held out, and not the validation half) whose templated prompt
+    holds at most CHAT_PROMPT_TOKENS tokens, as the template's text with the generation prompt (it holds its own
+    special tokens)."""
     from draftsmith.data.chat import template_text
     from draftsmith.data.conversations import heldout_chat_set
 

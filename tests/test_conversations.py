@@ -11,7 +11,7 @@ import torch
 
 from draftsmith.data import conversations as conv
 from draftsmith.data.chat import PROMPT_TOO_LONG, TAIL_CUT, Sample, chat_batches, cut, last_turn_only, render, show
-from draftsmith.data.conversations import Fields, is_heldout, read_conversations
+from draftsmith.data.conversations import Fields, read_conversations
 from draftsmith.sampling.errors import DraftsmithError
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -120,16 +120,59 @@ def test_cut_json_array_keeps_whole_rows_and_says_so(tmp_path, capsys):
     assert "is cut before its end" in capsys.readouterr().err
 
 
-def test_heldout_split_is_by_first_user_turn_and_disjoint(tmp_path):
-    rows = [_sharegpt(("human", f"question number {i}"), ("gpt", "a"), cid=str(i)) for i in range(2000)]
+def test_heldout_split_is_by_conversation_and_its_halves_are_disjoint(tmp_path):
+    """Held out by conversation: every piece `stem_N` of one conversation on one side (ShareGPT's pieces were hashed
+    one by one, and 184 of 332 held-out pieces had a sibling in training); a conversation under two ids (one
+    first exchange) on one side too; without ids, by the whole first exchange. The held-out range is two halves,
+    validation and benchmark, that never meet. Shown to fail before: pieces of one stem fell on both sides."""
+    rows = [_sharegpt(("human", f"question number {i // 3}.{i % 3}"), ("gpt", "a"), cid=f"s{i // 3}_{i % 3}")
+            for i in range(3000)]
+    rows += [_sharegpt(("human", "question number 7.0"), ("gpt", "a"), cid="copy_0")]  # s7_0 again, another id
     f = str(_write_jsonl(tmp_path / "c.jsonl", rows))
+    every = read_conversations(f, split="all", quiet=True)
+    parts = dict(zip((c.id for c in every), conv.assign_splits(every)))
+    sides: dict = {}
+    for c in every:
+        sides.setdefault(c.stem, set()).add(parts[c.id])
+    assert all(len(s) == 1 for s in sides.values()) and parts["copy_0"] == parts["s7_0"]
     train = read_conversations(f, quiet=True)
     held = read_conversations(f, split="heldout", quiet=True)
-    assert len(train) + len(held) == 2000 and 10 < len(held) < 80  # about 2%
-    assert not any(is_heldout(c) for c in train) and all(is_heldout(c.messages) for c in held)
-    # the same conversation under another id, whitespace or shape is held out too
-    m = held[0].messages
-    assert is_heldout([{"role": "system", "content": "s"}, {"role": "user", "content": "  " + m[0]["content"]}])
+    val, bench = (read_conversations(f, split=s, quiet=True) for s in ("validation", "benchmark"))
+    assert len(train) + len(held) == 3001 and 10 < len(held) < 150  # about 2%
+    assert {c.id for c in val} | {c.id for c in bench} == {c.id for c in held} and val and bench
+    assert not {c.stem for c in val} & {c.stem for c in bench} and not {c.stem for c in train} & {c.stem for c in held}
+    # no ids: the whole first exchange decides; the same one under other whitespace or a system turn falls alike
+    m = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    assert conv.split_key(m) == conv.split_key([{"role": "system", "content": "s"},
+                                                {"role": "user", "content": "  hello   there"}, m[1]])
+    assert conv.split_key(m) != conv.split_key([m[0], {"role": "assistant", "content": "other"}])
+    # ids that are not pieces: Fields.piece "" keeps `row_1` and `row_2` apart
+    assert conv.normalize({**_sharegpt(("human", "q"), ("gpt", "a")), "id": "row_1"}, conv.Fields(piece=""),
+                          conv.Skipped()).stem == "row_1"
+
+
+def test_data_chat_validates_on_the_validation_half_only(tmp_path):
+    """data=chat's validation prompts (which pick the checkpoint) are the held-out range's validation half, never a
+    benchmark conversation; training holds neither half; a small source's validation is filled with whole
+    conversations from training's side. Shown to fail before: the validation prompts were the whole held-out split,
+    the conversations bench serve reads among them."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.data.chatcorpus import split
+
+    rows = [_sharegpt(("human", f"question number {i // 3}.{i % 3}"), ("gpt", "a"), cid=f"s{i // 3}_{i % 3}")
+            for i in range(3000)]
+    f = str(_write_jsonl(tmp_path / "c.jsonl", rows))
+    cfg = OmegaConf.create({"data": {"source": f, "fields": None, "max_documents": None},
+                            "sampler": {"on_target_prompts": 4, "n_prompts": 4}})
+    train, val = split(cfg)
+    every = read_conversations(f, split="all", quiet=True)
+    part = dict(zip((c.id for c in every), conv.assign_splits(every)))
+    assert val and {part[c.id] for c in val} == {"validation"} and {part[c.id] for c in train} == {"train"}
+    small = str(_write_jsonl(tmp_path / "small.jsonl", rows[:60]))
+    train, val = split(OmegaConf.merge(cfg, {"data": {"source": small}, "sampler": {"on_target_prompts": 8}}))
+    assert len(val) >= 8 and not {c.stem for c in val} & {c.stem for c in train} and len(train) + len(val) <= 60
+    assert not [c for c in val if part.get(c.id) == "benchmark"]
 
 
 def test_render_one_bos_and_assistant_mask(llama3_tok):
@@ -424,9 +467,10 @@ def test_sharegpt_source_and_heldout_chat_set_from_the_cached_wheel(tmp_path, mo
     with zipfile.ZipFile(tmp_path / "wheels" / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
         z.writestr(member, text[: len(text) - 40])  # cut inside the last row
     held = conv.heldout_chat_set(5)
-    assert len(held) == 5 and all(is_heldout(m) for m in held)
+    bench = read_conversations("sharegpt", split="benchmark", quiet=True)
+    assert len(held) == 5 and [c.messages for c in bench[:5]] == held  # the benchmark half, in file order
     every = read_conversations("sharegpt", split="heldout", quiet=True)
-    assert [c.messages for c in every[:5]] == held and every[-1].id != "c2999"  # file order; the torn row is gone
+    assert every[-1].id != "c2999"  # the torn row is gone
     train = read_conversations("sharegpt")
     assert len(train) + len(every) == 2999 and not {c.id for c in train} & {c.id for c in every}
     assert "is cut before its end" in capsys.readouterr().err
@@ -509,7 +553,13 @@ def test_conversations_as_they_are_train_without_the_held_out_ones(tmp_path, lla
     held = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for r in ids.tolist()}
     trained = {llama3_tok.decode(r).split("hello there ")[1].split("<")[0] for b in blocks["train"]
                for r in b["ids"].tolist()}
-    assert len(held) == 4 and not held & trained and len(held | trained) == 40
+    every = read_conversations(str(src), split="all", quiet=True)
+    bench = {c.messages[0]["content"].split("hello there ")[1] for c, p in zip(every, conv.assign_splits(every))
+             if p == "benchmark"}  # the benchmarks' half: neither trained on nor validated on
+    assert len(held) == 4 and not held & trained and not bench & (held | trained)
+    from draftsmith.data.chatcorpus import split
+
+    assert len(held | trained | bench) == 40 - len(split(cfg)[0]) % 4  # whole batches of 4: the rest waits
     assert all(b["ids"].shape[1] <= 64 for b in blocks["train"])
 
 

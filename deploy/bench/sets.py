@@ -4,10 +4,12 @@ target's chat template turns into prompts. Named for what they are, and never tr
 - `code`: the shipped code evaluation prompts (recipes/prompts/code.jsonl), each asked as "complete this code";
 - `math`: short arithmetic word problems written for draftsmith (recipes/prompts/math.jsonl), not GSM8K; or a file
   the user names (`--prompts my_math.jsonl`: one JSON object a line with a `prompt` or a `messages` list);
-- `chat`: the held-out split of the ShareGPT conversations (`draftsmith.data.conversations.heldout_chat_set`) that
-  have a second user turn, measured over two turns: turn 1 is the first user message; turn 2 is turn 1, the
-  engine's OWN turn-1 answer (not the dataset's), then the conversation's next user message (`second_turns`,
-  `turn_two`), as a served chat goes on. A `messages` .jsonl file with second user turns gets turn 2 the same way.
+- `chat`: the benchmark half of the held-out ShareGPT conversations (`draftsmith.data.conversations.
+  heldout_chat_set`: held out by conversation, never trained on, never the data=chat validation that picks a
+  checkpoint) that have a second user turn, measured over two turns: turn 1 is the first user message; turn 2 is
+  turn 1, the engine's OWN turn-1 answer (not the dataset's), then the conversation's next user message
+  (`second_turns`, `turn_two`), as a served chat goes on. A `messages` .jsonl file with second user turns gets
+  turn 2 the same way.
 
 HumanEval, GSM8K, MT-Bench and XSum are not shipped (no registry package ships them; HumanEval and XSum are kept
 for independent checks).
@@ -81,8 +83,8 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 
 def chat_set(n: int) -> list[list[dict]]:
-    """The first turns of the held-out ShareGPT conversations that go on to a second user turn (train/
-    conversations.py: the split no training source reads)."""
+    """The first turns of the benchmark ShareGPT conversations that go on to a second user turn (data/
+    conversations.py: the half of the held-out split that neither training nor validation reads)."""
     return [first_turn(c) for c in _chat(n)]
 
 
