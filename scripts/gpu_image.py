@@ -4,9 +4,9 @@
     python3 scripts/gpu_image.py carried DIR    # what draftsmith needs there that the image lacks, by pip's resolver
 
 The copy differs from the image where this machine cannot follow it: GPU_IMAGE_PYTHON (default python3.11) stands in
-for its Python 3.12, torch 2.13.0+cpu for its CUDA torch; triton and the CUDA libraries (nvidia-*, cuda-*) are
-left out. `carried` prints one line a package, `wheel NAME==VERSION` (published as a wheel) or `source NAME==VERSION`
-(published as source only: to build).
+for its Python 3.12, torch 2.13.0+cpu for its CUDA torch (the CPU build here is for 3.11 only), numpy 2.4.6 for its
+2.5.2 (which needs 3.12); triton and the CUDA libraries (nvidia-*, cuda-*) are left out. `carried` prints one line a
+package, `wheel NAME==VERSION` (published as a wheel) or `source NAME==VERSION` (published as source only: to build).
 The resolver keeps every image package at the image's version unless draftsmith's own requirements exclude that
 version (transformers 5.17.0 against >=5.24): those, and what they need, are what the image lacks. Needs `packaging`
 beside the standard library (the dev extras and the image have it).
@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = ROOT / "scripts" / "gpu_image.txt"
-STAND_INS = {"torch": "torch==2.13.0+cpu", "triton": None}  # None: left out of the copy
+STAND_INS = {"torch": "torch==2.13.0+cpu", "triton": None,  # None: left out of the copy
+             "numpy": "numpy==2.4.6"}  # the newest numpy for the copy's Python 3.11
 CUDA_ONLY = ("nvidia-", "cuda-")  # a real freeze's CUDA libraries (GBs): only its CUDA torch loads them
 # extras of draftsmith the GPU check runs with, and what it leaves out of them: it logs to CSV (no W&B) and sweeps
 # nothing (no Optuna)
