@@ -5,6 +5,8 @@ and an average of the weights (optim.name, optim.ema), the pruned head counted o
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -318,3 +320,24 @@ def test_a_warm_draft_writes_pairs_the_target_labels(tiny, tmp_path):
     assert stats["written"] >= 6 and stats["written"] + stats["dropped"] == 8 and stats["tokens"] > 0
     prompts, completions = pair_rows(str(out))
     assert len(prompts) == stats["written"] and set(prompts) <= set(PROMPTS) and all(completions)
+
+
+def test_the_switches_train_end_to_end_through_the_entry(tmp_path, monkeypatch):
+    """All switches at once on a tiny target's own samples: the run trains, validates the average, reports the
+    head's mass per set and exports the average as its best draft."""
+    import json
+
+    from conftest import run_entry
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    res = run_entry("recipe=smoke", "data=generated", "data.generated.n_prompts=32", "data.generated.max_new_tokens=32",
+                    "data.generated.batch_size=16", "data.max_documents=null", "data.rows=packed", "optim.name=muon",
+                    "optim.ema=0.9", "loss.truncate=true", "draft.vocab_count=sampled", "draft.init_scale=0.5",
+                    "eval.baseline=false", "loss.compile=false", f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["head_mass"]) == {"code", "english"} and all(0 < m <= 1 for m in report["head_mass"].values())
+    assert "the target's mass on the draft head's" in res.stdout
+    assert re.search(r"data.rows=packed: \d+ rows of whole samples \(\d+ samples\)", res.stdout)
+    ckpt = torch.load(report["best_checkpoint"], map_location="cpu", weights_only=True)
+    assert any(k.startswith("ema.") for k in ckpt["state_dict"])

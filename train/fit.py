@@ -52,7 +52,8 @@ def teacher_store(cfg, data, draft, feature: bool, head_tokens, target_config, o
     if cache is not None and "train_src" in blocks:
         # a rank without the target cannot fill a block's gaps: each block trains on the positions its corpus kept
         filled = prefill_teacher(cache, blocks["train_src"], Path(source), sampled_rows(source),
-                                 draft.feature_layers if feature else None, min_known=0.0 if first_only else 0.5)
+                                 draft.feature_layers if feature else None, min_known=0.0 if first_only else 0.5,
+                                 positions=blocks.get("train_pos"))
         what = "logits and features" if feature else "logits"
         print(f"draftsmith: {filled} of {len(blocks['train'])} training blocks take the target's {what} kept as it "
               "sampled them: no teacher pass over those", flush=True)
@@ -77,7 +78,8 @@ def draft_module(cfg, draft, target, draft_cfg, data, teacher_cache, head_tokens
                        sampler=OmegaConf.to_container(cfg.sampler), max_steps=cfg.trainer.max_steps,
                        on_policy=data.on_policy, unroll=draft_cfg.unroll, step_decay=draft_cfg.step_decay,
                        feature_noise=draft_cfg.feature_noise,
-                       teacher_cache=teacher_cache, head_tokens=head_tokens, validate_on_first=first_only)
+                       teacher_cache=teacher_cache, head_tokens=head_tokens, validate_on_first=first_only,
+                       row_positions=data.blocks.get("train_pos"), packed=cfg.data.get("rows") == "packed")
 
 
 def acceptance_callback(cfg, tok, data, val_prompts, out_dir: Path) -> AcceptanceCallback:

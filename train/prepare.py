@@ -16,6 +16,8 @@ from draftsmith.data.corpus import (
     generate_corpus,
     load_blocks,
     pair_rows,
+    sampled_rows,
+    sampled_token_counts,
 )
 from draftsmith.data.generation import EngineCheck, choose_engine, measure_engines
 from draftsmith.data.prompts import prompt_tensor, prompt_texts
@@ -67,12 +69,14 @@ def run_data(cfg, tok, teacher, file_prompts, target_config, out_dir: Path, laun
         token_counts = chatcorpus.token_counts(blocks, target_config.vocab_size)
     else:
         blocks = load_blocks(source, tok, cfg.data.block_size, cfg.data.val_fraction, cfg.seed, cfg.data.text_field,
-                             record["documents"])
+                             record["documents"], rows=cfg.data.get("rows", "stream"))
         print(f"draftsmith: rank {launch.rank} trains on "
               f"{len(blocks['train'])} blocks of {source}, sha256 {blocks_digest(blocks)}", flush=True)
         train_dl, val_dl = loaders(blocks, cfg)
         policy = on_policy(cfg, tok, blocks, file_prompts)
-        token_counts = torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size)
+        token_counts = (sampled_token_counts(blocks, sampled_rows(source) or [], target_config.vocab_size)
+                        if cfg.draft.get("vocab_count") == "sampled"  # the target's own tokens alone
+                        else torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size))
     # a chat item is a whole batch already (train/data.py chat_loaders): counted in micro-batches' rows like a block
     items = len(blocks["train"]) * (int(cfg.data.batch_size) if chat else 1)
     steps = budget.derived_steps(cfg, items, launch.world_size)
