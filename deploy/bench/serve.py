@@ -165,7 +165,7 @@ def tau_of(engine: str, out, k: int) -> tuple[float | None, list[float] | None, 
 
 
 def measure(engine, name: str, sets: dict[str, list[list[int]]], temperatures, top_p: float, max_new_tokens: int,
-            k: int, seed: int, batches=(1,), follow: dict | None = None, rounds: int = 2, warmup: bool = True,
+            k: int, seed: int, batches=(1,), follow: dict | None = None, rounds: int = 1, warmup: bool = True,
             k_set: str | None = None) -> list[dict]:
     """One row per (set, T, batch size, turn): every request run plain and speculative in `engine`, `rounds` times
     (`_run`: the arms alternate, so load that comes and goes falls on both). At batch 1 each request is a job of its
@@ -173,7 +173,8 @@ def measure(engine, name: str, sets: dict[str, list[list[int]]], temperatures, t
     request's latency is its job's wall time over its tokens. `follow[set]` (`follow_up`) makes the set's turn-2
     prompts from the engine's own speculative turn-1 answers (the first round's), at the same T and batch size;
     turn 2 is then run plain and speculative on those same prompts (so their tokens/s compare). `k_set`: the set K
-    was chosen on (`export --engines`), said beside that set's rows."""
+    was chosen on (`export --engines`), said beside that set's rows. One round unless asked (the command's
+    --rounds is 2): a test that only reads tau pays one server start per arm."""
     build = engine.build() if hasattr(engine, "build") else None
     first = {(s, t, b): list(enumerate(sets[s])) for s in sets for t in temperatures for b in batches}
     keys, plain, spec = _run(engine, first, top_p, max_new_tokens, seed, rounds, warmup)
