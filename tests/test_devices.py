@@ -237,18 +237,20 @@ def test_the_accelerators_top_p_is_the_cpus(top_p, monkeypatch):
 
 
 def test_a_draw_never_lands_on_a_zero_probability_token():
-    """`sample` keeps u * total strictly below the total: a uniform that rounds up to the total (float rounding)
-    still lands on the last token with mass, never on a zero-probability one after it."""
+    """`sample` keeps u * total strictly below the total: a draw where u * total reaches the total (float rounding,
+    or a uniform of exactly 1.0, which some backends' uniform can return) still lands on the last token with mass,
+    never on a zero-probability one after it. (Without the guard, x = total finds index 4, clamped to 3: p = 0.)"""
     import draftsmith.sampling.probs as probs
 
     p = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
 
-    class One:  # a "generator" whose uniform is the largest float below 1, which rounds u * total up to total
+    class One:  # a "generator" whose uniform is 1.0, so that u * total is the total itself
         device = torch.device("cpu")
 
     real = torch.rand
     try:
-        torch.rand = lambda shape, generator=None, dtype=None, device=None: torch.full(shape, 1 - 2**-24, dtype=dtype)
+        # u = 1 - 2**-24 (the largest float32 below 1) never rounds 1.0 up, and the test then passed without the guard
+        torch.rand = lambda shape, generator=None, dtype=None, device=None: torch.ones(shape, dtype=dtype)
         assert int(probs.sample(p, One())) == 1
     finally:
         torch.rand = real
