@@ -62,16 +62,28 @@ def test_cost_model_gaps_are_interpolated():
 
 @pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.8, 0, 0.9)])
 def test_a_stop_that_reads_the_drafted_tokens_keeps_the_output_exact(pair, setting):  # noqa: F811
-    """Enumerated: ending the drafting on the draft's own probabilities (as k="auto" does) changes only how many
-    tokens each loop proposes, never the distribution of what is emitted."""
+    """Enumerated: ending the drafting where k="auto"'s own rule (`KChooser.stopper`, calibrated as a run calibrates
+    it) says, on the draft's probabilities of the tokens drafted so far, changes only how many tokens each loop
+    proposes, never the distribution of what is emitted; the rule both stops and drafts on in the enumeration."""
     target, draft = pair
     cfg = SamplingConfig(*setting)
     q, p = Dist(target, cfg), Dist(draft, cfg)
     prompt, budget = [1, 3], 4
+    rows = torch.arange(1)
+    chooser = KChooser(target, draft, 1, 3, CHEAP, alpha_prior=0.6)
+    for _ in range(10):  # sure tokens (p 0.95) accepted, unsure ones (p 0.15) rejected, as in the test above
+        chooser.update(rows, torch.full((1,), 2), 4, torch.tensor([[0.95, 0.95, 0.15, 0.15]]),
+                       torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+    kstop, seen = chooser.stopper(rows, 3), {}
     decisions = []
 
-    def stop(confs):  # stop after an unsure token, or after a sure first one: any rule of the draft's side
-        decisions.append(confs[-1] < 0.4 or (len(confs) == 1 and confs[0] > 0.8))
+    def stop(confs):  # the product's rule, fed what the loop feeds it: one (rows,) tensor per drafted token
+        # it reads the confidences through their bins only, so one call per bin sequence (the first met) answers
+        # the enumeration's many calls with the product's own decision
+        key = tuple(min(int(c * chooser.BINS), chooser.BINS - 1) for c in confs)
+        if key not in seen:
+            seen[key] = kstop([torch.tensor([c], dtype=torch.float64) for c in confs])
+        decisions.append(seen[key])
         return decisions[-1]
 
     want = target_sequences(q, prompt, budget, None)
@@ -80,20 +92,31 @@ def test_a_stop_that_reads_the_drafted_tokens_keeps_the_output_exact(pair, setti
     assert abs(sum(got.values()) - 1) < 1e-6 and tv(got, want) < 1e-6
 
 
-def test_auto_k_passes_chi_square(pair):  # noqa: F811
+def test_auto_k_passes_chi_square(pair, monkeypatch):  # noqa: F811
+    """k="auto" ends some loops' drafting before their bound (the K a fixed-K loop would draft there: the budget
+    also shortens loops, so K varying alone proves nothing) and drafts more than one token in others, and its output
+    passes the chi-square against the target's exact sequence probabilities."""
     target, draft = pair
     prompt, budget, setting = [1, 3], 3, (0.9, 0, 0.95)
     exact = target_sequences(Dist(target, SamplingConfig(*setting)), prompt, budget, None)
     g = torch.Generator().manual_seed(11)
-    counts = defaultdict(int)
-    for _ in range(2):
+    counts, ks, bounds = defaultdict(int), [], []
+    stopper = KChooser.stopper
+    monkeypatch.setattr(KChooser, "stopper", lambda self, active, bound: (bounds.append(bound),
+                                                                          stopper(self, active, bound))[1])
+    # a cheap draft drafts to its bound; a dear one (c 0.2, a prior of 0.5) ends the first loop after one token:
+    # both runs' samples are the target's distribution, so they pool
+    for cost, prior in ((CHEAP, 0.7), ({"c": 0.2, "v": CHEAP["v"]}, 0.5)):
         c, stats = sample_counts(
-            lambda ids: speculative_generate(target, draft, ids, max_new_tokens=budget, k="auto", cost=CHEAP,
-                                             alpha_prior=0.7, temperature=setting[0], top_p=setting[2], generator=g),
+            lambda ids: speculative_generate(target, draft, ids, max_new_tokens=budget, k="auto", cost=cost,
+                                             alpha_prior=prior, temperature=setting[0], top_p=setting[2],
+                                             generator=g),
             25_000, budget, prompt)
         for s, n in c.items():
             counts[s] += n
-    assert len(set(stats.k_per_loop)) >= 1 and 0 < stats.alpha < 1
+        ks += stats.k_per_loop
+    assert len(ks) == len(bounds) and any(k < b for k, b in zip(ks, bounds)) and max(ks) > 1, (ks, bounds)
+    assert 0 < stats.alpha < 1
     assert pvalue(counts, exact) > 1e-3
 
 
