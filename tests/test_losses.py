@@ -25,6 +25,7 @@ def test_fused_divergences_equal_the_reference_functions(logits, compile):
     d, t = logits
     names = tuple(sorted(losses.DIVERGENCES))
     fused = losses.divergences(d, t, 0.8, names, compile=compile)
+    assert not compile or losses._compiled is not losses._fused  # compiled, not the silent eager fallback
     for n in names:
         torch.testing.assert_close(fused[n], losses.DIVERGENCES[n](d, t, 0.8), rtol=1e-4, atol=1e-5)
 
@@ -40,6 +41,7 @@ def test_row_weights_give_the_weighted_mean_of_every_term(logits, compile):
     w[:4], w[10:] = 2.0, 0.0
     names = {n: 1.0 for n in losses.DIVERGENCES} | {"ce": 1.0}
     _, got = losses.draft_loss(d, labels, t, names, 0.8, compile=compile, row_weights=w)
+    assert not compile or losses._compiled is not losses._fused  # compiled, not the silent eager fallback
     rows = [0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # rows 0-3 twice, 4-9 once, 10-15 never
     _, want = losses.draft_loss(d[rows], labels[rows], t[rows], names, 0.8, compile=False)
     for n in names:
