@@ -367,7 +367,7 @@ def test_data_verb_then_train_on_chat_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
 
     target = tmp_path / "tiny-chat"
     shutil.copytree(resolve("tiny-random"), target)
@@ -440,7 +440,7 @@ def test_a_hub_target_brings_its_chat_template(monkeypatch, tmp_path):
 
     import huggingface_hub
 
-    from draftsmith.sampling.load import resolve
+    from draftsmith.sampling.names import resolve
 
     asked = {}
 
