@@ -232,6 +232,8 @@ def test_smoke_recipe_trains_selects_and_reports(smoke_run):
     assert report["training_precision"] in ("32-true", "bf16-mixed")
     assert report["dtype"]["target"] in ("fp32", "bf16") and report["machine"]["cpu_capability"]
     assert report["monitor"] == "val/alpha_on_target" and 0 < report["best_score"] <= 1
+    # it selects: the best draft kept is the validation with the highest score, not the last or the worst of the two
+    assert report["best_score"] == pytest.approx(max(v[report["monitor"]] for v in report["validation_history"]))
     assert 0 <= report["eval"]["best"]["code"]["alpha_on_target"] <= 1
     draft = AutoModelForCausalLM.from_pretrained(out / "best_draft")
     assert (out / "best_draft" / "model.safetensors").is_file() and draft.config.num_hidden_layers >= 2
@@ -378,13 +380,15 @@ def test_corpus_from_jsonl_parquet_and_text_files(tmp_path):
     for i, t in enumerate(texts):
         (tmp_path / "txt" / f"{i}.txt").write_text(t)
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
-    sizes = set()
+    sizes = []
     for src in ["a.jsonl", "b.parquet", "txt", "saved"]:
         b = load_blocks(str(tmp_path / src), tok, 32, val_fraction=0.1)
         assert b["train"].shape[1] == 32 and len(b["val"]) >= 2
         assert int(b["train"].max()) < len(tok)
-        sizes.add(len(b["train"]) + len(b["val"]))
-    assert len(sizes) <= 2  # same documents, same token count (up to the split's block rounding)
+        sizes.append(len(b["train"]) + len(b["val"]))
+    # same documents, same token count, up to the split's block rounding (one block): a reader that lost documents
+    # is off by many (each text here is ~10 blocks)
+    assert max(sizes) - min(sizes) <= 1, sizes
 
 
 def test_generated_corpus_is_resumable(tmp_path):
