@@ -1,12 +1,14 @@
 """The GPU check's bookkeeping (scripts/gpu_check.sh), standard library only: it runs under the image's Python.
 
-    python3 scripts/gpu_check_summary.py record SUMMARY STEP PART RC SECONDS [STAND_IN]   # figure rows on stdin
+    python3 scripts/gpu_check_summary.py record SUMMARY STEP PART RC SECONDS [STAND_IN [STATUS]]  # rows on stdin
     python3 scripts/gpu_check_summary.py done SUMMARY STEP           # exit 0 if STEP passed in an earlier run
     python3 scripts/gpu_check_summary.py wheel-matches WHEEL         # exit 1 if a draftsmith wheel is not this tree
     python3 scripts/gpu_check_summary.py visits RUN_DIR              # tokens/s on first visits and on revisits
 
 SUMMARY (summary.json in the check's output folder) holds every step's outcome and figure rows; a step passes when
-its command exits 0 and its log holds at least one figure row.
+its command exits 0 and its log holds at least one figure row. Its status: ok or failed by that rule, or as the check
+says: timeout (stopped at its limit), no time (not started: the deadline was too near), running (recorded as it
+starts: an entry left so, the command was killed from outside while the step ran).
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"steps": {}}
 
 
-def record(path: Path, step: str, part: str, rc: int, seconds: int, stand_in: str, rows: list[str]) -> bool:
+STATUSES = ("timeout", "no time", "running")  # what the check may say instead of ok or failed
+
+
+def record(path: Path, step: str, part: str, rc: int, seconds: int, stand_in: str, rows: list[str],
+           status: str = "") -> bool:
     summary = _load(path)
-    ok = rc == 0 and bool(rows)
-    summary["steps"][step] = {"part": part, "ok": ok, "rc": rc, "seconds": seconds, "rows": rows,
-                              **({"stand_in": stand_in} if stand_in else {})}
+    ok = not status and rc == 0 and bool(rows)
+    summary["steps"][step] = {"part": part, "ok": ok, "status": status or ("ok" if ok else "failed"), "rc": rc,
+                              "seconds": seconds, "rows": rows, **({"stand_in": stand_in} if stand_in else {})}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".summary.")
     with os.fdopen(fd, "w") as f:
         json.dump(summary, f, indent=1)
@@ -101,10 +107,11 @@ def visits(run_dir: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     cmd, *args = argv or [""]
-    if cmd == "record" and len(args) in (5, 6):
+    if cmd == "record" and len(args) in (5, 6, 7) and (len(args) < 7 or args[6] in STATUSES):
         rows = [ln.rstrip() for ln in sys.stdin if ln.strip()]
-        return 0 if record(Path(args[0]), args[1], args[2], int(args[3]), int(args[4]),
-                           args[5] if len(args) == 6 else "", rows) else 1
+        stand_in, status = (args[5:] + ["", ""])[:2]
+        return 0 if record(Path(args[0]), args[1], args[2], int(args[3]), int(args[4]), stand_in, rows,
+                           status) else 1
     if cmd == "done" and len(args) == 2:
         return 0 if done(Path(args[0]), args[1]) else 1
     if cmd == "wheel-matches" and len(args) == 1:
