@@ -156,7 +156,7 @@ def _run(args) -> int:
     from transformers import AutoConfig
 
     from draftsmith.deploy.bench import peers
-    from draftsmith.sampling.load import resolve  # (sampling.names once that lands; load re-exports it)
+    from draftsmith.sampling.names import resolve
     from draftsmith.sampling.machine import machine
 
     out = Path(args.out).resolve()
