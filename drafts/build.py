@@ -101,6 +101,9 @@ def draft_config_for(target_config, cfg: DraftConfig):
     return type(tc)(**d)
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
 class TargetWeights:
     """The target's tensors by name, read one at a time from its safetensors files, without loading the target: a
     rank that holds no target builds its draft from them, and a 70B target's state in fp32 would be 280 GB of host
@@ -132,6 +135,15 @@ class TargetWeights:
         return cls(path, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
     device = torch.device("cpu")  # the files are read into host memory
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the files store the embedding in (read from the header: no tensor is loaded)."""
+        from safetensors import safe_open
+
+        f, key = self._where["model.embed_tokens.weight"]
+        with safe_open(f, "pt") as h:
+            return _SAFETENSORS_DTYPES[h.get_slice(key).get_dtype()]
 
     def new_model(self, config):
         from transformers import AutoModelForCausalLM

@@ -292,6 +292,37 @@ def test_drafts_are_built_where_the_target_is():
     assert _on(out.sub_logits) == _on(out.logits) == DEVICE
 
 
+def test_one_rank_builds_its_draft_from_the_target_it_holds_on_the_device(tmp_path):
+    """One rank holding the whole target on an accelerator, in its files' dtype, builds the draft from it (the same
+    bytes, no second read of the files on the host); several ranks, a host target, a cast target or one spread over
+    GPUs read the files, so every rank starts from the same draft."""
+    from types import SimpleNamespace
+
+    from draftsmith.drafts.build import DraftConfig, TargetWeights
+    from draftsmith.train.draft_init import built_on_device, initial_draft
+
+    from conftest import tiny_llama
+
+    host = tiny_llama(vocab=64, layers=4, hidden=32, seed=0)
+    host.save_pretrained(tmp_path / "t")
+    weights = TargetWeights.of(str(tmp_path / "t"))
+    assert weights.dtype == torch.float32
+    on_device = tiny_llama(vocab=64, layers=4, hidden=32, seed=0).to(DEVICE)  # (.to moves a module in place)
+    assert built_on_device(on_device, weights, one_rank=True) is (DEVICE != "cpu")
+    assert not built_on_device(on_device, weights, one_rank=False)
+    assert not built_on_device(host, weights, one_rank=True)
+    assert not built_on_device(tiny_llama(vocab=64, layers=4, hidden=32).to(DEVICE, torch.bfloat16), weights,
+                               one_rank=True)
+    on_device.hf_device_map = {"model": 0}
+    assert not built_on_device(on_device, weights, one_rank=True)
+    del on_device.hf_device_map
+    # the entry's step: the draft lands beside the target, built from it
+    cfg = SimpleNamespace(data=SimpleNamespace())
+    draft, head, _ = initial_draft(cfg, DraftConfig(layers=2, width_ratio=1.0, init="target"), None,
+                                   SimpleNamespace(token_counts=None), weights, on_device, None, one_rank=True)
+    assert _on(draft) == DEVICE and head is None
+
+
 def test_a_feature_draft_is_built_where_the_target_is():
     from draftsmith.drafts.feature import build_feature_draft
 

@@ -106,7 +106,9 @@ def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(de
     assert row["new_tokens_plain"] == row["new_tokens_speculative"] > 0 and row["note"] is None
     pos = row["acceptance_by_position"]
     assert len(pos) == 2 and 1 <= row["tokens_per_call"] <= 3
-    assert row["tokens_per_call"] == pytest.approx(1 + sum(pos))
+    # vLLM's own figure, 1 + accepted / drafts, is 1 + the unconditional per-position sum; the row's tau (tokens less
+    # the prefill's one, per verification pass) can differ where the last pass was cut short (deploy/bench/serve.py)
+    assert row["native"]["vllm_mean_acceptance_length"] == pytest.approx(1 + sum(pos))
     assert serve.caveat("vllm", engine.build(), 0.8) is not None or engine.build() != "cpu"
 
 
@@ -510,8 +512,10 @@ from hydra import compose, initialize_config_dir
 from draftsmith.sampling.load import load_tokenizer
 from draftsmith.sampling.machine import cache_home
 from draftsmith.sampling.prompts import load_prompts
-from draftsmith.train import prepare, target
+from draftsmith.train import prepare, schema, target
 from draftsmith.drafts.build import TargetWeights
+
+schema.register()  # recipes/draft.yaml starts from it; the entry (train/draft.py) registers it, this script does not
 
 recipes, ending = sys.argv[1:3]
 with initialize_config_dir(config_dir=recipes, version_base="1.3"):

@@ -207,7 +207,7 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
     from draftsmith.drafts.build import TargetWeights
     from draftsmith.sampling.load import load_tokenizer
     from draftsmith.sampling.names import resolve
-    from draftsmith.train import prepare, target
+    from draftsmith.train import prepare, schema, target
 
     target_dir = tmp_path / "target-hd64"  # tiny-random's tokenizer, a head_dim vLLM's CPU attention takes
     LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
@@ -227,6 +227,7 @@ def test_vllm_starts_before_the_target_loads_and_is_judged_in_the_targets_dtype(
         return prepared_model(name, dtype, **kw)
 
     monkeypatch.setattr(target, "prepared_model", counting)
+    schema.register()  # recipes/draft.yaml starts from it (the entry registers it; this test composes without it)
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("draft", ["recipe=smoke", f"target.name={target_dir}", "data=generated",
                                 "data.generated.engine=vllm", "data.generated.gpu_memory_utilization=0.4",

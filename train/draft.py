@@ -95,7 +95,8 @@ def train(cfg: DictConfig) -> dict:
         teacher()
 
     # 3. The draft: shallow and wide, of the target's family, sharing its vocabulary; or a feature draft.
-    draft, head_tokens, target = initial_draft(cfg, draft_cfg, tok, data, weights, target, teacher)
+    draft, head_tokens, target = initial_draft(cfg, draft_cfg, tok, data, weights, target, teacher,
+                                               one_rank=launch.world_size == 1)
     feature = draft_cfg.kind == "feature_head"  # its pruned head's tokens are its own; it keeps the features too
 
     # 4. Fit: the teacher's store and where the target is held, the module, acceptance validation, best-by-acceptance
