@@ -44,6 +44,8 @@ LAZY = {("deploy/export.py", "wandb"): "log_bundle: only a run that logged to W&
                                                "training corpus (the benches read ShareGPT's JSON)",
         ("data/corpus.py", "datasets"): "a corpus read from a dataset id or a data file: a training run's data",
         ("drafts/saved.py", "deepspeed"): "a ZeRO checkpoint consolidated: only a run trained with DeepSpeed has one",
+        ("deploy/bench/peer_features.py", "datasets"): "speculators' prepared rows: it runs in speculators' own venv "
+                                                       "(deploy/bench/peers.py), which installs datasets",
         ("scripts/gpu_image.py", "packaging"): "constraints(): the image copy, built by the dev tests (or by hand "
                                                "beside the dev extras) and on the GPU image, which has it"}
 # declared, imported by no file of the repository

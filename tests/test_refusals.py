@@ -262,9 +262,13 @@ def test_one_error_type_is_raised_by_every_layer_and_no_module_defines_another()
     assert isinstance(extra, DraftsmithError) and isinstance(extra, ImportError) and extra.name == "lightning"
 
     allowed = {"DraftsmithError", "DiskFull", "MissingExtra"}
+    # scripts that run in a peer's own venv and import no draftsmith: what they raise never reaches a library user
+    elsewhere = {"deploy/bench/peer_speculators.py": "speculators' venv; its MaxSteps ends the run inside main()"}
     defined = set()
-    for layer in ("sampling", "engines", "train", "deploy"):
+    for layer in ("sampling", "engines", "data", "drafts", "train", "deploy"):
         for path in (ROOT / layer).rglob("*.py"):
+            if str(path.relative_to(ROOT)) in elsewhere:
+                continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef) and any(
                         getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "NotFound"))
