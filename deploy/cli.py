@@ -32,7 +32,8 @@ VERBS = {
                      "draftsmith deploy-check bundles/my-draft --engine vllm"),
     "engines": ("draftsmith.engines", "which engines are installed; install vLLM (its own venv) or llama.cpp",
                 "draftsmith engines install vllm"),
-    "bench": ("draftsmith.deploy.bench", "benchmarks: paper, serve, sampler, corpus, memory, store, train-memory, batching, ablation",
+    "bench": ("draftsmith.deploy.bench", "benchmarks: paper, serve, sampler, corpus, memory, store, train-memory, "
+                                        "batching, ablation, trainers",
               "draftsmith bench paper bundles/my-draft"),
 }
 
