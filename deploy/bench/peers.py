@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from draftsmith.engines.vllm import install_step
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.machine import cache_home
 
@@ -100,24 +101,15 @@ def install(name: str) -> Path:
     if installed(name):
         return python
     print(f"draftsmith: installing {name} {peer.version} in {venv} (once), without {peer.left_out}", flush=True)
-    _run([sys.executable, "-m", "venv", str(venv)], "creating its venv", name)
+    install_step([sys.executable, "-m", "venv", str(venv)], "creating its venv", name)
     pip = [str(python), "-m", "pip", "install", "--quiet"]
-    _run([*pip, "--upgrade", "pip"], "upgrading its pip", name)
-    _run([*pip, *peer.deps], "installing its dependencies", name)
-    _run([*pip, "--no-deps", *peer.packages], f"installing {' '.join(peer.packages)}", name)
+    install_step([*pip, "--upgrade", "pip"], "upgrading its pip", name)
+    install_step([*pip, *peer.deps], "installing its dependencies", name)
+    install_step([*pip, "--no-deps", *peer.packages], f"installing {' '.join(peer.packages)}", name)
     if subprocess.run([str(python), "-c", f"import {name}"], capture_output=True,
                       env=clean_env(peer.env)).returncode != 0:
         raise DraftsmithError(f"{name} was installed in {venv} but does not import there")
     return python
-
-
-def _run(cmd: list[str], what: str, name: str) -> subprocess.CompletedProcess:
-    print(f"  {what}", flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
-    if res.returncode != 0:
-        tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
-        raise DraftsmithError(f"{name}'s install failed {what} (exit {res.returncode}): {tail}")
-    return res
 
 
 def venv_size(name: str) -> int:
