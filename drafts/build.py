@@ -47,6 +47,11 @@ class DraftConfig:
                              # correction; 1: copied as is
     vocab_count: str = "all"  # what chooses a pruned head's tokens: all (every training token, prompts included)
                               # or sampled (the target's own sampled tokens alone, as speculators and SpecForge count)
+    feature_norm: str = "none"  # feature_head: an RMSNorm on the target's states before fc: none (EAGLE-3's raw
+                                # states), each (one per state: speculators' --fc-norm) or all (one over the three
+                                # together: speculators' default). The states differ in scale ~20x (RMS 3 / 63 / 66)
+    norm_output: bool = False  # feature_head: the next unrolled step reads the output after the final norm
+                               # (speculators' default), not before it (EAGLE-3's)
 
     def __post_init__(self):
         if self.kind not in ("independent", "feature_head"):
@@ -67,6 +72,11 @@ class DraftConfig:
                                   f"{self.init_scale}")
         if self.vocab_count not in ("all", "sampled"):
             raise DraftsmithError(f"draft.vocab_count must be 'all' or 'sampled', got {self.vocab_count!r}")
+        if self.feature_norm not in ("none", "each", "all"):
+            raise DraftsmithError(f"draft.feature_norm must be 'none', 'each' or 'all', got {self.feature_norm!r}")
+        if self.kind != "feature_head" and (self.feature_norm != "none" or self.norm_output):
+            raise DraftsmithError("draft.feature_norm and draft.norm_output shape a feature head: set draft.kind="
+                                  "feature_head (recipe=feature_head) or leave them at none / false")
         if self.init not in ("scratch", "target"):
             raise DraftsmithError(f"draft.init must be 'scratch' or 'target', got {self.init!r}")
         if self.layers is not None and self.layers < 1:

@@ -21,11 +21,14 @@ from draftsmith.sampling.rejection import teacher_forced_acceptance
 
 
 def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = None, token_counts=None,
-                        freeze_head: bool = True, probe: torch.Tensor | None = None) -> FeatureDraft:
+                        freeze_head: bool = True, probe: torch.Tensor | None = None, feature_norm: str = "none",
+                        norm_output: bool = False) -> FeatureDraft:
     """The target's embedding (frozen), its final norm and head rows (for a pruned head: the `draft_vocab` most
     frequent tokens of the corpus) as a start; the layer is new, and fc starts as the highest feature layer's state
-    at unit scale, measured on `probe` (token ids, (B, T); None: random tokens). Parameters and head printed."""
+    (after `feature_norm`'s RMSNorm: none, each state, or all three) at unit scale, measured on `probe` (token ids,
+    (B, T); None: random tokens); `norm_output` feeds the next step the normed output. Parameters and head printed."""
     cfg = FeatureConfig.for_target(target.config, feature_layers, draft_vocab)
+    cfg.fc_norm, cfg.norm_before_fc, cfg.norm_output = feature_norm == "each", feature_norm == "all", norm_output
     torch.manual_seed(0)
     dev = target.get_input_embeddings().weight.device  # where it copies from: no tensor crosses to the host
     with torch.device(dev):
@@ -46,7 +49,7 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
         # -> 0.327 at 450 steps; a default fc rescaled to RMS 1: 0.313: docs/results.md, "The feature head").
         H = cfg.target_hidden_size
         draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * H:] = torch.eye(H, device=dev) / _top_feature_scale(target, cfg.feature_layers, probe)
+        draft.fc.weight[:, 2 * H:] = torch.eye(H, device=dev) / _top_feature_scale(target, draft, probe)
     draft.embed_tokens.requires_grad_(False)
     draft.lm_head.requires_grad_(not freeze_head)
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -56,15 +59,22 @@ def build_feature_draft(target, feature_layers=None, draft_vocab: int | None = N
     return draft
 
 
-def _top_feature_scale(target, layers: list[int], probe: torch.Tensor | None) -> torch.Tensor:
-    """Median per-token RMS, on `probe`, of the highest of the draft's features (the last block `fc` reads), on the
-    target's device (a 0-d tensor: reading it back would stop at the device)."""
+def _top_feature_scale(target, draft: FeatureDraft, probe: torch.Tensor | None) -> torch.Tensor:
+    """Median per-token RMS, on `probe`, of the highest of the draft's features as `fc` reads it (after the draft's
+    own norms of the states, if any), on the target's device (a 0-d tensor: reading it back would stop at the
+    device)."""
     if probe is None:
         g = torch.Generator(device="cpu").manual_seed(0)  # the same probe on any device; moved to the target
         probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=g, device="cpu")
-    with FeatureTap(target, layers) as tap:
+    c = draft.config
+    with FeatureTap(target, c.feature_layers) as tap, torch.no_grad():
         target(input_ids=probe.to(target.device))
-        top = tap.take()[..., 2 * target.config.hidden_size:].float()
+        features = tap.take().float()
+        if c.norm_before_fc:
+            features = draft.input_norm(features)
+        if c.fc_norm:
+            features = torch.cat([n(f) for n, f in zip(draft.fc_norm, features.chunk(3, -1))], -1)
+        top = features[..., 2 * target.config.hidden_size:]
     return top.pow(2).mean(-1).sqrt().median().clamp_min(1e-6)
 
 

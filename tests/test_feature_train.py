@@ -69,6 +69,42 @@ def test_fc_starts_as_the_top_feature_at_unit_scale():
     assert fused.pow(2).mean(-1).sqrt().median().item() == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("feature_norm", ["each", "all"])
+def test_normed_features_start_the_fused_input_at_unit_scale_and_round_trip(feature_norm, tmp_path):
+    """draft.feature_norm (speculators' --fc-norm and its default norm_before_fc): the states pass the draft's
+    RMSNorm before fc, fc's top block is scaled to what the norm gives (median RMS 1 again; a scale taken from the
+    raw states would be ~1/RMS too small), norm_output feeds the normed output on, and a saved draft keeps all
+    three (a loader that dropped them would read the raw states)."""
+    from draftsmith.drafts.build import DraftConfig
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.sampling.load import load_model
+
+    target = tiny_llama(vocab=30, layers=4, hidden=32, seed=0, logit_scale=4.0)
+    probe = torch.randint(0, 30, (3, 12), generator=torch.Generator().manual_seed(2))
+    draft = build_feature_draft(target, probe=probe, feature_norm=feature_norm, norm_output=True)
+    c = draft.config
+    assert (c.fc_norm, c.norm_before_fc, c.norm_output) == (feature_norm == "each", feature_norm == "all", True)
+    with torch.no_grad(), FeatureTap(target, draft.feature_layers) as tap:
+        target(input_ids=probe)
+        feats = tap.take()
+        fused = draft.fuse(feats)
+        raw_top = feats[..., 2 * 32:]
+    assert fused.pow(2).mean(-1).sqrt().median().item() == pytest.approx(1.0, abs=1e-4)
+    assert not torch.allclose(fused * raw_top.pow(2).mean(-1).sqrt().median(), raw_top, atol=1e-3)  # normed first
+    hidden = torch.randn(1, 3, 32)
+    assert torch.allclose(draft.own_feature(hidden), draft.norm(hidden))
+    draft.save_pretrained(tmp_path / "d")
+    back = load_model(str(tmp_path / "d"), "fp32")
+    assert (back.config.fc_norm, back.config.norm_before_fc, back.config.norm_output) == \
+        (c.fc_norm, c.norm_before_fc, True)
+    with torch.no_grad():
+        assert torch.allclose(back.fuse(feats), fused, atol=1e-5)
+    with pytest.raises(DraftsmithError, match="feature_norm"):
+        DraftConfig(feature_norm="sometimes")
+    with pytest.raises(DraftsmithError, match="kind=feature_head"):
+        DraftConfig(kind="independent", feature_norm=feature_norm)
+
+
 def test_training_moves_the_draft_towards_the_target():
     """A few optimiser steps of the recipe's loss on target samples raise every step's acceptance; the target's
     weights do not change."""

@@ -43,7 +43,8 @@ def initial_draft(cfg, draft_cfg: DraftConfig, tok, data, weights, target, load_
         train = data.blocks["train"]
         draft = build_feature_draft(target, draft_cfg.feature_layers, draft_cfg.draft_vocab,
                                     head_frequencies(cfg, draft_cfg, tok, data.token_counts), draft_cfg.freeze_head,
-                                    probe=train[0]["ids"][:4] if data.chat else train[:4])
+                                    probe=train[0]["ids"][:4] if data.chat else train[:4],
+                                    feature_norm=draft_cfg.feature_norm, norm_output=draft_cfg.norm_output)
     else:
         draft = build_draft(target if built_on_device(target, weights, one_rank) else (weights or target), draft_cfg)
     head_tokens = None
