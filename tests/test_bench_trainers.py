@@ -5,6 +5,7 @@ corpus of the tiny target's samples; each writes a head our loader reads, and on
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -63,13 +64,19 @@ def test_each_trainer_writes_a_head_our_loader_reads_and_the_sampler_judges(tmp_
     from draftsmith.sampling.load import load_model
 
     out = tmp_path / "bench"
+    # a sampling box too short for the corpus (3 x 48 samples; the box ends after the first batch of 64): no trainer
+    # may continue it (ours once sampled another box in its own run, so it trained on more than the peers)
     cmd = [sys.executable, "-m", "draftsmith.deploy.cli", "bench", "trainers", "--target", "tiny-random",
-           "--steps", "3", "--n-prompts", "48", "--max-new-tokens", "32", "--sample-minutes", "1", "--seq-len", "256",
-           "--trainers", "ours", "speculators", "specforge", "--judge-prompts", "code", "--judge-n", "2",
-           "--judge-tokens", "16", "--out", str(out), "--json", str(tmp_path / "t.json"), "--", *TINY]
+           "--steps", "3", "--n-prompts", "48", "--samples-per-prompt", "3", "--max-new-tokens", "32",
+           "--sample-minutes", "0.001", "--seq-len", "256", "--trainers", "ours", "speculators", "specforge",
+           "--judge-prompts", "code", "--judge-n", "2", "--judge-tokens", "16", "--out", str(out), "--json",
+           str(tmp_path / "t.json"), "--", *TINY, f"data.cache_dir={tmp_path / 'cache'}"]  # a corpus of its own
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     table = json.loads((tmp_path / "t.json").read_text())
+    prepared = re.search(r"the corpus is ready: (\d+) samples", (out / "corpus.log").read_text()).group(1)
+    with open(table["corpus"]) as f:
+        assert sum(1 for _ in f) == int(prepared) < 3 * 48, "a trainer sampled more after the corpus was prepared"
     assert set(table["heads"]) == {"ours", "speculators", "specforge"}
     head_tokens = head_tokens_of(table["heads"]["ours"])
     for name, path in table["heads"].items():

@@ -66,30 +66,35 @@ def measured(cmd: list[str], log: Path, *, env=None, limit_s: float = 0, cwd=Non
     return {"wall_s": wall, "peak_rss_mb": int(tail[1]) / 1024, "stdout": "\n".join(lines[:-1])}
 
 
-def data_overrides(args) -> list[str]:
-    """The corpus every run of ours reads (the same overrides find the same cached file)."""
-    return [f"target.name={args.target}", f"data.generated.n_prompts={args.n_prompts}",
-            f"data.generated.samples_per_prompt={args.samples_per_prompt}",
-            f"data.generated.max_new_tokens={args.max_new_tokens}",
-            f"data.generated.max_minutes={args.sample_minutes}", f"seed={args.seed}"]
+def data_overrides(args, samples: int | None = None) -> list[str]:
+    """The corpus every run of ours reads (the same overrides find the same cached file: its name holds neither the
+    prompt count nor the samples per prompt). With `samples`, the prepared corpus' count, a training run asks for no
+    more than the file holds, so it samples nothing: given the preparing overrides it would continue the file for
+    another time box, and train on more samples than the peers were handed."""
+    n, per, box = (samples, 1, 0.01) if samples else (args.n_prompts, args.samples_per_prompt, args.sample_minutes)
+    return [f"target.name={args.target}", f"data.generated.n_prompts={n}",
+            f"data.generated.samples_per_prompt={per}", f"data.generated.max_new_tokens={args.max_new_tokens}",
+            f"data.generated.max_minutes={box}", f"seed={args.seed}"]
 
 
-def ours_command(recipe: str, args, run: Path, steps: int | None, minutes: float | None) -> list[str]:
+def ours_command(recipe: str, args, run: Path, steps: int | None, minutes: float | None,
+                 samples: int | None = None) -> list[str]:
     budget = ([f"trainer.max_steps={steps}", "trainer.max_time=null",
                f"trainer.val_check_interval={min(steps, 200)}"] if steps else
               [f"trainer.max_time=00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}"])
-    return [sys.executable, "-m", "draftsmith.train.draft", f"recipe={recipe}", *data_overrides(args), *budget,
-            "logger=csv", f"hydra.run.dir={run}", *args.overrides]
+    return [sys.executable, "-m", "draftsmith.train.draft", f"recipe={recipe}", *data_overrides(args, samples),
+            *budget, "logger=csv", f"hydra.run.dir={run}", *args.overrides]
 
 
-def prepare_corpus(args, out: Path) -> Path:
+def prepare_corpus(args, out: Path) -> tuple[Path, int]:
+    """The corpus' file and its sample count, sampled (or continued) once, before any trainer."""
     cmd = [sys.executable, "-m", "draftsmith.train.draft", "recipe=feature_head", "prepare_only=true",
            *data_overrides(args), f"hydra.run.dir={out / 'corpus'}", *args.overrides]
     res = measured(cmd, out / "corpus.log")
-    m = re.search(r"the corpus is ready: \d+ samples in (\S+?);", res["stdout"])
+    m = re.search(r"the corpus is ready: (\d+) samples in (\S+?);", res["stdout"])
     if not m:
         raise DraftsmithError(f"the corpus step named no file: see {out / 'corpus.log'}")
-    return Path(m.group(1))
+    return Path(m.group(2)), int(m.group(1))
 
 
 STEP_TIME = {"speculators": (r"profile/step_ms=([0-9.e+-]+)", 1e-3),
@@ -177,7 +182,7 @@ def _run(args) -> int:
                 unable[name] = str(e)
     print(f"draftsmith: the corpus ({args.target}, {args.n_prompts} prompts x {args.samples_per_prompt}, "
           f"{args.max_new_tokens} tokens)", flush=True)
-    corpus = prepare_corpus(args, out)
+    corpus, samples = prepare_corpus(args, out)
     target_dir = resolve(args.target)
     tc = AutoConfig.from_pretrained(target_dir)
 
@@ -185,7 +190,7 @@ def _run(args) -> int:
         if name not in wanted:
             continue
         print(f"draftsmith: training {name} (recipe={recipe})", flush=True)
-        r = measured(ours_command(recipe, args, out / name, args.steps, minutes), out / f"{name}.log")
+        r = measured(ours_command(recipe, args, out / name, args.steps, minutes, samples), out / f"{name}.log")
         report = json.loads((out / name / "report.json").read_text())
         heads[name] = report["best_draft"]
         results[name] = {"wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
