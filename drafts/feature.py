@@ -66,15 +66,9 @@ def _top_feature_scale(target, draft: FeatureDraft, probe: torch.Tensor | None) 
     if probe is None:
         g = torch.Generator(device="cpu").manual_seed(0)  # the same probe on any device; moved to the target
         probe = torch.randint(0, target.config.vocab_size, (4, 64), generator=g, device="cpu")
-    c = draft.config
-    with FeatureTap(target, c.feature_layers) as tap, torch.no_grad():
+    with FeatureTap(target, draft.feature_layers) as tap, torch.no_grad():
         target(input_ids=probe.to(target.device))
-        features = tap.take().float()
-        if c.norm_before_fc:
-            features = draft.input_norm(features)
-        if c.fc_norm:
-            features = torch.cat([n(f) for n, f in zip(draft.fc_norm, features.chunk(3, -1))], -1)
-        top = features[..., 2 * target.config.hidden_size:]
+        top = draft.normed(tap.take().float())[..., 2 * target.config.hidden_size:]
     return top.pow(2).mean(-1).sqrt().median().clamp_min(1e-6)
 
 

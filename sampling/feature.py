@@ -255,11 +255,17 @@ class FeatureDraft(nn.Module):
         c = self.config
         if features.shape[-1] == c.hidden_size and c.hidden_size != 3 * c.target_hidden_size:
             return self.own_feature(features)
+        return self.fc(self.normed(features))
+
+    def normed(self, features):
+        """The target's three states as `fc` reads them: through speculators' norms where the config has them
+        (norm_before_fc: one over the three; fc_norm: one per state), else raw (EAGLE-3)."""
+        c = self.config
         if c.norm_before_fc:
             features = self.input_norm(features)
         if c.fc_norm:
             features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(3, -1))], -1)
-        return self.fc(features)
+        return features
 
     def own_feature(self, hidden):
         """What the draft's own output feeds its next step: the pre-norm output (EAGLE-3), or the normed one where

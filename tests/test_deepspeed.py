@@ -11,7 +11,6 @@ import pytest
 import torch
 
 
-
 @pytest.fixture(autouse=True)
 def _deepspeed_imports():
     """The dev extra installs DeepSpeed, so one that fails to import (a torch bump, say) fails these tests: an
