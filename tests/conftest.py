@@ -54,6 +54,32 @@ def run_entry(*overrides, timeout=600):
                           text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
+def refusal(out, *overrides) -> str:
+    """What `python train/draft.py OVERRIDES` refuses, asked in this process as the entry asks it: `schema.preflight`
+    on the overrides, then `train` on the composed config. Fails unless the run was refused with one line, before
+    it wrote a checkpoint or a draft into `out`; returns that line. The entry's exit code and its `error:` line around
+    the message are held by a few subprocess cases (tests/test_train.py); each case here saves a fresh interpreter's
+    imports (~8 s)."""
+    from hydra import compose, initialize_config_dir
+
+    from draftsmith.train import schema
+    from draftsmith.train.draft import RECIPES, train
+
+    overrides = [*overrides, f"out_dir={out}", "logger=csv"]
+    try:
+        schema.preflight(overrides, RECIPES)
+        with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+            cfg = compose("draft", overrides=overrides)
+        train(cfg)
+    except ValueError as e:  # a DraftsmithError, as the entry catches it
+        message = str(e)
+    else:
+        pytest.fail(f"not refused: {overrides}")
+    assert "\n" not in message.strip(), message
+    assert not (Path(out) / "checkpoints").exists() and not (Path(out) / "best_draft").exists()
+    return message
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """One `recipe=smoke` run shared by the tests that read its outputs."""

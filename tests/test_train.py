@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import run_entry, tiny_llama
+from conftest import refusal, run_entry, tiny_llama
 from helpers import fit_losses
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -304,7 +304,7 @@ def test_wandb_offline_run_holds_config_curves_tables_and_the_best_draft(smoke_r
     assert {r.run.run_id for f in runs for r in wandb_records(f) if r.WhichOneof("record_type") == "run"} == {run_id}
 
 
-@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
+@pytest.mark.slow  # among the longest: the default suite stays under its 12 minutes
 def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     """SIGKILL a real run after its first checkpoint; `ckpt_path=last` must continue with the batches, optimizer
     state and schedule the uninterrupted run (the smoke fixture, same recipe) had: the same losses, step for step."""
@@ -331,7 +331,7 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     assert [resumed[s] for s in after] == pytest.approx([whole[s] for s in after], rel=1e-5)
 
 
-@pytest.mark.parametrize("overrides,msg", [
+REFUSED = [
     (["recipe=nope"], "recipe=nope: no such recipe; choose one of distill_kl, feature_head"),
     (["recipe=smoke", "trainer.max_stepz=3"], "max_stepz"),
     (["recipe=smoke", "data.blocksize=3"], "unknown setting data.blocksize: data takes source, text_field"),
@@ -350,12 +350,27 @@ def test_sigkilled_run_resumes_on_the_same_loss_curve(smoke_run, tmp_path):
     (["recipe=smoke", "optim.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
     (["recipe=smoke", "target.ranks=some"], "target.ranks must be all (a replica on every rank), first"),
     (["recipe=smoke", "target.ranks=first"], "target.ranks=first, but training calls the target (the corpus kept no"),
-])
+]
+
+
+@pytest.mark.parametrize("overrides,msg", REFUSED)
 def test_bad_input_fails_with_one_clear_line_and_no_output(tmp_path, overrides, msg):
+    """Each refused in one line naming what to fix, before any checkpoint or draft is written: asked in-process
+    through the entry's own preflight and `train` (conftest.refusal)."""
+    assert msg in refusal(tmp_path / "run", *overrides)
+
+
+# one refusal from each place the entry refuses: Hydra's composition (the preflight), the data checks, the
+# target's placement after the corpus is read
+@pytest.mark.parametrize("overrides,msg", [REFUSED[0], REFUSED[7], REFUSED[-1]], ids=["preflight", "data", "ranks"])
+def test_a_refused_run_exits_2_with_one_error_line_and_no_output(tmp_path, overrides, msg):
+    """The command line's side of a refusal: exit status 2, one `error:` line holding the message, no traceback,
+    nothing written to the run dir."""
     out = tmp_path / "run"
     res = run_entry(*overrides, f"hydra.run.dir={out}", "logger=csv")
-    assert res.returncode != 0
-    assert msg in res.stderr, res.stderr[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and msg in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
     assert not (out / "checkpoints").exists() and not (out / "best_draft").exists()
 
 
