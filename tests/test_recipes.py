@@ -2,7 +2,6 @@
 table below: which compose, which are refused (and naming what), and the budget each runs for. A recipe added
 without a row here fails, so the table stays the recipes' whole story."""
 
-import math
 from pathlib import Path
 
 import pytest
@@ -109,18 +108,48 @@ def test_gpu_recipes_need_a_target_and_train_their_draft_kind(composed):
     assert composed["shallow_wide", "cpu"].target.name == "smollm2-135m"
 
 
-@pytest.mark.parametrize("blocks, ranks, batch, accumulate, epochs", [(1000, 1, 8, 1, 3), (1000, 8, 8, 1, 2),
-                                                                       (1003, 8, 4, 2, 3), (7, 8, 1, 1, 1)])
-def test_the_steps_of_a_budget_in_epochs_are_what_lightning_runs(blocks, ranks, batch, accumulate, epochs):
-    """Each rank draws ceil(blocks / ranks) rows (Lightning's DistributedSampler pads to equal shares), whole
-    micro-batches of them (drop_last), one optimizer step per `accumulate` micro-batches (the last partial group
-    steps too)."""
+@pytest.mark.parametrize("chat, items, ranks, batch, accumulate, epochs", [
+    (False, 1000, 1, 8, 1, 3), (False, 1000, 8, 8, 1, 2), (False, 1003, 8, 4, 2, 3), (False, 7, 8, 1, 1, 1),
+    (True, 7, 2, 4, 1, 2), (True, 10, 3, 4, 2, 3)])
+def test_the_steps_of_a_budget_in_epochs_are_what_lightning_runs(chat, items, ranks, batch, accumulate, epochs):
+    """`budget.derived_steps` against a real Lightning fit: the loader train/data.py builds (blocks in micro-batches
+    of data.batch_size, or data=chat's whole batches, one an item), given rank 0's share of `ranks` as Lightning's
+    own distributed sampler gives it, run for the epochs with gradient accumulation; the steps it counts are the
+    optimizer steps Lightning takes. A recipe's own max_steps stands."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler, _update_dataloader
+
+    from draftsmith.train.data import chat_loaders, loaders
+
     cfg = OmegaConf.create({"trainer": {"max_steps": -1, "max_epochs": epochs, "accumulate_grad_batches": accumulate},
-                            "data": {"batch_size": batch}})
-    micro = math.ceil(blocks / ranks) // batch
-    assert budget.derived_steps(cfg, blocks, ranks) == max(1, math.ceil(micro / accumulate) * epochs)
+                            "data": {"batch_size": batch, "num_workers": 0, "val_blocks": 1}, "seed": 0})
+    rows = torch.zeros(items, 4, dtype=torch.long)
+    if chat:
+        train, _ = chat_loaders({"train": list(rows.view(items, 1, 4)), "val": []}, cfg)
+    else:
+        train, _ = loaders({"train": rows, "val": rows[:1]}, cfg)
+    shard = _get_distributed_sampler(train, shuffle=True, overfit_batches=0, num_replicas=ranks, rank=0)
+    train = _update_dataloader(train, shard)
+
+    class Step(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, b, i):
+            return (self.w - 1).pow(2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, use_distributed_sampler=False,
+                        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Step(), train)
+    assert budget.derived_steps(cfg, items, ranks, 1 if chat else batch) == max(1, trainer.global_step)
     cfg.trainer.max_steps = 100
-    assert budget.derived_steps(cfg, blocks, ranks) is None  # a recipe's own max_steps stands
+    assert budget.derived_steps(cfg, items, ranks, 1 if chat else batch) is None
 
 
 def test_train_help_lists_every_recipe_group_and_how_to_print_a_config(capsys):

@@ -64,15 +64,17 @@ def budget_line(cfg) -> str:
     return f"{t.get('max_steps')} steps{box}"
 
 
-def derived_steps(cfg, blocks: int, world_size: int) -> int | None:
-    """The optimizer steps of a budget in epochs (trainer.max_epochs with max_steps -1): the whole micro-batches a
-    rank draws from its share of `blocks` (Lightning's distributed sampler gives each rank ceil(blocks / ranks)), over
-    gradient accumulation, times the epochs. None where the recipe fixes max_steps itself."""
+def derived_steps(cfg, items: int, world_size: int, batch_size: int) -> int | None:
+    """The optimizer steps of a budget in epochs (trainer.max_epochs with max_steps -1): the whole micro-batches of
+    `batch_size` items a rank draws from its share of the loader's `items` (Lightning's distributed sampler gives
+    each rank ceil(items / ranks)), over gradient accumulation, times the epochs. A block loader's items are blocks in
+    micro-batches of data.batch_size; a chat loader's are whole batches already, one a micro-batch. None where the
+    recipe fixes max_steps itself."""
     t = cfg.trainer
     steps = t.get("max_steps")
     if (steps is not None and int(steps) >= 0) or not t.get("max_epochs"):
         return None
-    per_rank = math.ceil(blocks / max(1, world_size)) // int(cfg.data.batch_size)
+    per_rank = math.ceil(items / max(1, world_size)) // int(batch_size)
     accumulate = int(t.get("accumulate_grad_batches", 1) or 1)
     return max(1, math.ceil(per_rank / accumulate) * int(t.max_epochs))
 
