@@ -93,10 +93,50 @@ def test_export_killed_midway_leaves_the_previous_bundle_and_the_next_export_cle
     open_bundle(out)
 
 
-def test_two_exports_to_one_place_both_land_whole(first_bundle):
+# an export that logs when it asks for the bundle's lock ("wants"), when it writes the draft ("write": held there
+# until the other export has asked for the lock too, so that the two contend) and when its locked region ends
+# ("leave", still inside it)
+EXPORT_LOGGED = """
+import contextlib, os, sys, time
+import draftsmith.deploy.export as export
+def event(what):
+    with open(sys.argv[3], "a") as log:
+        log.write(f"{what} {os.getpid()}\\n")
+def events():
+    return [ln.split() for ln in open(sys.argv[3]).read().splitlines()]
+real_exclusive, real_save = export._exclusive, export.save_draft
+@contextlib.contextmanager
+def exclusive(out):
+    event("wants")
+    with real_exclusive(out):
+        yield
+        event("leave")
+def save_draft(*a, **kw):
+    event("write")
+    t0 = time.time()
+    while not any(e[0] == "wants" and e[1] != str(os.getpid()) for e in events()) and time.time() - t0 < 120:
+        time.sleep(0.1)
+    time.sleep(1)
+    real_save(*a, **kw)
+export._exclusive, export.save_draft = exclusive, save_draft
+export.export(sys.argv[1], sys.argv[2], n_prompts=1, max_new_tokens=8, ks=(1, 2))
+"""
+
+
+def test_two_exports_to_one_place_both_land_whole(first_bundle, tmp_path):
+    """Two exports to one place at once: each asks for the bundle's lock while the other holds it writing, and the
+    second writes only after the first has swapped its bundle in (their locked regions, the draft's writing inside,
+    never overlap); both land whole, leaving only the lock file."""
     run_dir, out = first_bundle
-    procs = [_start(EXPORT, run_dir, out) for _ in range(2)]
+    log = tmp_path / "log"
+    procs = [_start(EXPORT_LOGGED, run_dir, out, log) for _ in range(2)]
     assert [p.wait() for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    events = [ln.split() for ln in log.read_text().splitlines()]
+    first_leave = next(i for i, e in enumerate(events) if e[0] == "leave")
+    assert sum(e[0] == "wants" for e in events[:first_leave]) == 2, events  # they contended for the lock
+    held = [e for e in events if e[0] != "wants"]
+    a, b = held[0][1], held[2][1]
+    assert held == [["write", a], ["leave", a], ["write", b], ["leave", b]] and a != b, events
     open_bundle(out)
     assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == [f".{out.name}.lock"]
 
@@ -138,18 +178,25 @@ def test_runs_started_in_the_same_second_get_their_own_run_dirs():
 
 
 TOKENIZE = """
-import sys
+import sys, time
 from pathlib import Path
+import draftsmith.data.corpus as corpus
 from draftsmith.sampling.load import load_tokenizer
-from draftsmith.data.corpus import load_blocks
-tok = load_tokenizer("tiny-random")
-Path(sys.argv[2]).touch()
-load_blocks(sys.argv[1], tok, 64)
+real = corpus.save_file
+def half_written(tensors, path):  # the kill lands mid-write: half the file's bytes on disk, then held there
+    real(tensors, path)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+    Path(sys.argv[2]).touch()
+    time.sleep(120)
+corpus.save_file = half_written
+corpus.load_blocks(sys.argv[1], load_tokenizer("tiny-random"), 64)
 """
 
 
 def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebuilt(tmp_path):
-    """Killed while tokenising: nothing is left under the cache's name, and the next run builds the blocks an
+    """Killed while writing the tokenized blocks (half the file on disk): nothing is left under the cache's name (a
+    writer straight to that name would leave the torn half there), and the next run builds the blocks an
     uninterrupted run builds; a cache file damaged on disk is rebuilt, not read."""
     import torch
 
@@ -162,16 +209,9 @@ def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebui
         (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 200)
     tok = load_tokenizer("tiny-random")
     cached = blocks_cache(str(corpus), tok, 64)
-    started = tmp_path / "started"
-    proc = _start(TOKENIZE, corpus, started)
-    t0 = [None]
-
-    def tokenising_for_a_while():  # 0.3 s into load_blocks: reading and tokenising the documents
-        if t0[0] is None and started.exists():
-            t0[0] = time.time()
-        return t0[0] is not None and time.time() - t0[0] > 0.3
-
-    assert _kill_when(proc, tokenising_for_a_while), "tokenisation finished before it could be killed"
+    writing = tmp_path / "writing"
+    proc = _start(TOKENIZE, corpus, writing)
+    assert _kill_when(proc, writing.exists), "the blocks were never written: " + proc.stderr.read()[-2000:]
     assert not cached.exists()
     blocks = load_blocks(str(corpus), tok, 64)
     assert cached.is_file() and len(blocks["train"]) > 100
