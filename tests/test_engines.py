@@ -70,6 +70,12 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
                    max_new_tokens=16)
     print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
     assert report["verdict"] == "pass", report["settings"]
+    # the sampled pass is a chi-square over many cells, not one pooled cell (p = 1 by construction). Its power
+    # against the planted bug (after a rejection, resampling from the target instead of the residual) is printed in
+    # the detail, and was 0.00 at these draws for these drafts (the bug shifts each token by min(p, q) - q sum
+    # min(p, q), small for them): a check of exactness at this size, not of that bug; the judge's power is
+    # tests/test_conformance.py's, on a pair built for it (test audit #14)
+    assert report["settings"]["T0.8 top-p 0.95"]["distribution"]["cells"] > 10
 
 
 @pytest.mark.usefixtures("vllm")
@@ -130,6 +136,12 @@ def test_llamacpp_is_judged(demo_bundle):
     print(report["version"], {k: (r["verdict"], r["detail"], r["variants"]) for k, r in report["settings"].items()})
     assert report["settings"]["greedy"]["engine_counts"]["drafted"] > 0
     assert report["verdict"] == "pass", report["settings"]
+    # the sampled pass is a chi-square over many cells, not one pooled cell (p = 1 by construction). Its power
+    # against the planted bug (after a rejection, resampling from the target instead of the residual) is printed in
+    # the detail, and was 0.00 at these draws for these drafts (the bug shifts each token by min(p, q) - q sum
+    # min(p, q), small for them): a check of exactness at this size, not of that bug; the judge's power is
+    # tests/test_conformance.py's, on a pair built for it (test audit #14)
+    assert report["settings"]["T0.8 top-p 0.95"]["distribution"]["cells"] > 10
     # the draft quantized to Q8_0, the target kept f32: timed beside, and greedy still equal to plain decoding
     q8 = report["settings"]["greedy"]["variants"]["Q8_0 draft"]
     assert q8["identical"] and q8["tok_s_speculative"] > 0 and q8["engine_acceptance"] is not None
@@ -160,18 +172,47 @@ def _layer0_feature_bundle(target, tok, counts, root):
                   max_new_tokens=8, dtype="fp32", ks=(1, 2, 3))
 
 
+# prompts whose greedy continuations repeat a token: there the feature bundle's draft is accepted
+REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red blue red blue red blue",
+           "1 0 1 0 1 0 1 0 1 0 1 0", "cat dog cat dog cat dog cat dog cat dog",
+           "def add(a, b):\n    return a + b\n", "The capital of France is"]
+
+
+
 @pytest.fixture(scope="module")
 def feature_bundle(demo_target, tmp_path_factory):
-    """A feature head (EAGLE-3) with a pruned 8192-token head on target layers [0, 14, 29], built to depend on one
-    of them: fc passes layer 0's feature (the hidden state entering layer 0: the embedding of the token x_j) to the
+    """A feature head (EAGLE-3) on target layers [0, 14, 29], built to depend on two things an engine may silently
+    get wrong. Its layers: fc passes layer 0's feature (the hidden state entering layer 0: the embedding of x_j) to the
     head unchanged (the layer's attention and MLP outputs zeroed, a unit final norm), so slot j proposes x_j for
-    x_{j+2}, what the target says once it repeats itself. Fed another layer in that slot (vLLM's default layer 2),
-    the same weights propose other tokens."""
+    x_{j+2}, what the target says once it repeats itself; fed another layer in that slot (vLLM's default layer 2),
+    the same weights propose other tokens. Its d2t: the pruned 8192-token head's rows are not the first token ids
+    but the tokens of REPEATS and of the target's greedy continuations of them (what the draft proposes there), the
+    rest from the top of the vocabulary, so head row i proposes a token other than i, and only d2t says which."""
+    from draftsmith.sampling import autoregressive_generate
+
     target, tok = demo_target
     root = tmp_path_factory.mktemp("feature")
-    counts = torch.zeros(target.config.vocab_size)
-    counts[:8192] = 1.0
+    V = target.config.vocab_size
+    counts = torch.zeros(V)
+    counts[V - 8192:] = 1.0
+    for text in REPEATS:
+        ids = tok(text, return_tensors="pt").input_ids
+        out = autoregressive_generate(target, ids, max_new_tokens=32, temperature=0)
+        counts[ids[0]] = counts[out.tokens[0]] = 2.0  # never cut: the rest of the head has count 1
     return _layer0_feature_bundle(target, tok, counts, root)
+
+
+@pytest.fixture(scope="module")
+def ours_on_repeats(feature_bundle):
+    """Our sampler's greedy check of the feature bundle on REPEATS: what each engine's acceptance is held to."""
+    from draftsmith.engines.draftsmith import DraftsmithEngine
+
+    bundle = open_bundle(feature_bundle)
+    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], texts=REPEATS, max_new_tokens=32)
+    ours = ours["settings"]["greedy"]
+    assert ours["verdict"] == "pass", ours["detail"]
+    assert ours["engine_acceptance"] > 0.4  # the construction works: a test of who reads which layer and row
+    return ours
 
 
 def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(feature_bundle):
@@ -183,23 +224,31 @@ def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(fea
                    samples=2, max_new_tokens=16)
     print({k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
     assert report["verdict"] == "pass", report["settings"]
+    # the sampled pass is a chi-square over many cells, not one pooled cell (p = 1 by construction). Its power
+    # against the planted bug (after a rejection, resampling from the target instead of the residual) is printed in
+    # the detail, and was 0.00 at these draws for these drafts (the bug shifts each token by min(p, q) - q sum
+    # min(p, q), small for them): a check of exactness at this size, not of that bug; the judge's power is
+    # tests/test_conformance.py's, on a pair built for it (test audit #14)
+    assert report["settings"]["T0.8 top-p 0.95"]["distribution"]["cells"] > 10
     with pytest.raises(DraftsmithError, match="feature draft"):
         TransformersEngine(bundle)
 
 
-# prompts whose greedy continuations repeat a token: there the feature bundle's draft is accepted
-REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red blue red blue red blue",
-           "1 0 1 0 1 0 1 0 1 0 1 0", "cat dog cat dog cat dog cat dog cat dog",
-           "def add(a, b):\n    return a + b\n", "The capital of France is"]
-
 
 @pytest.mark.usefixtures("vllm")
-def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, demo_target, tmp_path):
-    """Greedy, the draft's proposals are a function of the features it reads, and this one's of layer 0's: where
-    vLLM reads the layers the bundle names, its acceptance matches our sampler's on the same prompts; with the layer
-    ids taken out of the draft's config (planted: vLLM then falls back to its default layers, silently) it is not
-    accepted at all. Greedy output stays lossless either way, so only acceptance can tell."""
+def test_vllm_serves_a_feature_bundle_on_its_layers_and_through_its_d2t(feature_bundle, ours_on_repeats, demo_target,
+                                                                        tmp_path):
+    """Greedy, the draft's proposals are a function of the features it reads and of its d2t (feature_bundle). Where
+    vLLM reads the layers the bundle names and maps the head's rows through the exported d2t, its greedy output equals
+    plain decoding and its acceptance matches our sampler's on the same prompts, overall and at the first position.
+    Each planted fault is seen, though greedy output stays lossless under both, so only acceptance can tell: with
+    the layer ids taken out of the draft's config (vLLM then falls back to its default layers, silently) and with d2t
+    taken out of the weights (row i then proposes token i, silently: issue 53), its acceptance collapses; our loader
+    refuses the bundle without d2t in one line. One vLLM check and two planted runs on one bundle (the layers and the
+    d2t tests were two bundles, each with its own check)."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from draftsmith.deploy.bundle import Bundle
     from draftsmith.engines.base import Job
@@ -207,25 +256,45 @@ def test_vllm_serves_a_feature_bundle_on_the_layers_it_names(feature_bundle, dem
     from draftsmith.engines.vllm import VllmEngine
 
     bundle = open_bundle(feature_bundle)
-    kw = dict(texts=REPEATS, max_new_tokens=32)
-    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-    theirs = check(bundle, VllmEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-
-    planted = tmp_path / "bundle"  # edited after export, so built by hand: open_bundle refuses it
-    shutil.copytree(bundle.path, planted)
-    cfg = json.loads((planted / "draft" / "config.json").read_text())
-    del cfg["eagle_aux_hidden_state_layer_ids"], cfg["eagle_config"]
-    (planted / "draft" / "config.json").write_text(json.dumps(cfg))
-    edited = Bundle(planted, bundle.spec, bundle.target_dir, planted / "draft")
+    d2t = load_file(str(bundle.draft_dir / "model.safetensors"))["d2t"]
+    assert (d2t != 0).float().mean() > 0.9  # the construction: nearly no row proposes its own index
+    ours = ours_on_repeats
+    theirs = check(bundle, VllmEngine(bundle), [Setting(0.0)], texts=REPEATS, max_new_tokens=32)
+    theirs = theirs["settings"]["greedy"]
     prompts = [demo_target[1](t).input_ids for t in REPEATS]
-    (ignored,) = VllmEngine(edited).run([Job(prompts, 1, 32, 0.0)], speculative=True)
-    ignored_acceptance = ignored.accepted / ignored.drafted
+
+    def planted(name, edit):  # the bundle edited after export, so built by hand: open_bundle refuses it
+        shutil.copytree(bundle.path, tmp_path / name)
+        edit(tmp_path / name / "draft")
+        return Bundle(tmp_path / name, bundle.spec, bundle.target_dir, tmp_path / name / "draft")
+
+    def drop_layer_ids(draft):
+        cfg = json.loads((draft / "config.json").read_text())
+        del cfg["eagle_aux_hidden_state_layer_ids"], cfg["eagle_config"]
+        (draft / "config.json").write_text(json.dumps(cfg))
+
+    def drop_d2t(draft):
+        state = load_file(str(draft / "model.safetensors"))
+        del state["d2t"], state["t2d"]
+        save_file(state, str(draft / "model.safetensors"), metadata={"format": "pt"})
+
+    no_layers, no_d2t = planted("no_layers", drop_layer_ids), planted("no_d2t", drop_d2t)
+    with pytest.raises(DraftsmithError, match="no d2t") as refused:
+        DraftsmithEngine(no_d2t)
+    (ignored,) = VllmEngine(no_layers).run([Job(prompts, 1, 32, 0.0)], speculative=True)
+    (dropped,) = VllmEngine(no_d2t).run([Job(prompts, 1, 32, 0.0)], speculative=True)
     print("acceptance: ours", ours["engine_counts"], "vllm", theirs["engine_counts"],
-          f"vllm without the layer ids {ignored.accepted}/{ignored.drafted};", theirs["detail"])
-    assert ours["verdict"] == "pass" and theirs["verdict"] == "pass", (ours["detail"], theirs["detail"])
-    assert ours["engine_acceptance"] > 0.4  # the construction works: a test of who reads which layer
+          f"vllm without the layer ids {ignored.accepted}/{ignored.drafted}, without d2t "
+          f"{dropped.accepted}/{dropped.drafted};", theirs["detail"], "| ours without d2t:", refused.value)
+    assert theirs["verdict"] == "pass", theirs["detail"]
     assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.1
-    assert ignored_acceptance < ours["engine_acceptance"] - 0.3  # the planted fault is seen
+    # vLLM counts every drafted token, those after a rejection too; ours only those tested: the first position is
+    # tested in every draft by both
+    mine, its = ours["engine_counts"], theirs["engine_counts"]
+    first = mine["accepted_at"][0] / mine["tested_at"][0]
+    assert abs(its["accepted_per_pos"][0] / its["spec_decode_num_drafts"] - first) < 0.1
+    assert ignored.accepted / ignored.drafted < ours["engine_acceptance"] - 0.3  # the planted faults are seen
+    assert dropped.accepted / dropped.drafted < first - 0.3
 
 
 @pytest.mark.usefixtures("llamacpp")
@@ -251,88 +320,23 @@ def test_bench_serve_reads_tau_from_llamacpps_draft_totals_at_batch_1_and_2(demo
 
 
 @pytest.mark.usefixtures("llamacpp")
-def test_llamacpp_serves_a_feature_bundle_as_eagle3_on_the_layers_it_names(feature_bundle):
+def test_llamacpp_serves_a_feature_bundle_as_eagle3_on_the_layers_it_names(feature_bundle, ours_on_repeats):
     """llama.cpp's own converter turns the feature draft (d2t kept) into an EAGLE3 GGUF, served with
     --spec-type draft-eagle3: greedy stays lossless, and its drafts are accepted about as often as in our sampler
-    on prompts that repeat, which the head (built to depend on layer 0's features) gets right only where the engine
-    reads the layers the draft names and maps the pruned head's ids through d2t."""
-    from draftsmith.engines.draftsmith import DraftsmithEngine
+    on prompts that repeat, which the head (built to depend on layer 0's features, its rows scattered over the
+    vocabulary: feature_bundle) gets right only where the engine reads the layers the draft names and maps the
+    pruned head's rows through d2t (a llama.cpp reading row i as token i proposes tokens the target never says)."""
     from draftsmith.engines.llamacpp import LlamaCppEngine
 
     bundle = open_bundle(feature_bundle)
     engine = LlamaCppEngine(bundle)
     assert engine.eagle3
-    kw = dict(texts=REPEATS, max_new_tokens=32)
-    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-    theirs = check(bundle, engine, [Setting(0.0)], **kw)["settings"]["greedy"]
+    ours = ours_on_repeats
+    theirs = check(bundle, engine, [Setting(0.0)], texts=REPEATS, max_new_tokens=32)["settings"]["greedy"]
     print("acceptance: ours", ours["engine_counts"], "llama.cpp", theirs["engine_counts"], theirs["detail"])
     assert theirs["verdict"] == "pass", theirs["detail"]
     assert theirs["engine_counts"]["drafted"] > 0
     assert abs(theirs["engine_acceptance"] - ours["engine_acceptance"]) < 0.15
-
-
-@pytest.fixture(scope="module")
-def scattered_feature_bundle(demo_target, tmp_path_factory):
-    """`feature_bundle`'s draft with a pruned head whose rows are not the first token ids: the tokens of REPEATS and
-    of the target's greedy continuations of them (what the draft proposes there), the rest from the top of the
-    vocabulary. So head row i proposes a token other than i, and only d2t says which."""
-    from draftsmith.sampling import autoregressive_generate
-
-    target, tok = demo_target
-    root = tmp_path_factory.mktemp("scattered")
-    V = target.config.vocab_size
-    counts = torch.zeros(V)
-    counts[V - 8192:] = 1.0
-    for text in REPEATS:
-        ids = tok(text, return_tensors="pt").input_ids
-        out = autoregressive_generate(target, ids, max_new_tokens=32, temperature=0)
-        counts[ids[0]] = counts[out.tokens[0]] = 2.0  # never cut: the rest of the head has count 1
-    return _layer0_feature_bundle(target, tok, counts, root)
-
-
-@pytest.mark.usefixtures("vllm")
-def test_vllm_maps_a_pruned_feature_heads_rows_through_d2t(scattered_feature_bundle, demo_target, tmp_path):
-    """vLLM loads the exported d2t and proposes the tokens our sampler does: greedy output equal to plain decoding
-    and acceptance matching ours. With d2t taken out of the weights (planted), vLLM still serves the bundle (row i
-    then proposes token i, silently: issue 53) and its acceptance collapses; our loader refuses it in one line."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from draftsmith.deploy.bundle import Bundle
-    from draftsmith.engines.base import Job
-    from draftsmith.engines.draftsmith import DraftsmithEngine
-    from draftsmith.engines.vllm import VllmEngine
-
-    bundle = open_bundle(scattered_feature_bundle)
-    d2t = load_file(str(bundle.draft_dir / "model.safetensors"))["d2t"]
-    assert (d2t != 0).float().mean() > 0.9  # the construction: nearly no row proposes its own index
-    kw = dict(texts=REPEATS, max_new_tokens=32)
-    ours = check(bundle, DraftsmithEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-    theirs = check(bundle, VllmEngine(bundle), [Setting(0.0)], **kw)["settings"]["greedy"]
-
-    planted = tmp_path / "bundle"  # edited after export, so built by hand: open_bundle refuses it
-    shutil.copytree(bundle.path, planted)
-    weights = planted / "draft" / "model.safetensors"
-    state = load_file(str(weights))
-    del state["d2t"], state["t2d"]
-    save_file(state, str(weights), metadata={"format": "pt"})
-    edited = Bundle(planted, bundle.spec, bundle.target_dir, planted / "draft")
-    with pytest.raises(DraftsmithError, match="no d2t") as refused:
-        DraftsmithEngine(edited)
-    prompts = [demo_target[1](t).input_ids for t in REPEATS]
-    (dropped,) = VllmEngine(edited).run([Job(prompts, 1, 32, 0.0)], speculative=True)
-    print("acceptance: ours", ours["engine_counts"], "vllm", theirs["engine_counts"],
-          f"vllm without d2t {dropped.accepted}/{dropped.drafted};", theirs["detail"], "| ours without d2t:",
-          refused.value)
-    assert ours["verdict"] == "pass" and theirs["verdict"] == "pass", (ours["detail"], theirs["detail"])
-    assert ours["engine_acceptance"] > 0.4  # the construction works: a test of which token each row proposes
-    # vLLM counts every drafted token, those after a rejection too; ours only those tested: compare the first
-    # position, tested in every draft by both (first run: ours 53/113, vLLM 52/108; without d2t vLLM 0/368)
-    mine, its = ours["engine_counts"], theirs["engine_counts"]
-    first = mine["accepted_at"][0] / mine["tested_at"][0]
-    assert abs(its["accepted_per_pos"][0] / its["spec_decode_num_drafts"] - first) < 0.1
-    assert dropped.accepted / dropped.drafted < first - 0.3  # the planted fault is seen
 
 
 SPECULATORS_CHECK = """
