@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.sampling.cli import Draft, add_artifact, artifact_of, examples, locate_draft, target_of
+from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.errors import DraftsmithError
 from draftsmith.sampling.feature import is_feature_dir, is_feature_draft
 from draftsmith.sampling.load import check_same_tokenizer, load_tokenizer
@@ -127,7 +128,8 @@ def main(argv=None, prog=None) -> int:
             # target's when the pair runs (FeatureConfig.check_target)
             if not is_feature_dir(source.path) or any(Path(source.path).glob("tokenizer*")):
                 check_same_tokenizer(tok, load_tokenizer(source.path))
-            draft = prepared_model(source.path, args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+            draft = prepared_model(source.path, args.dtype, device=args.device,
+                                   trust_remote_code=args.trust_remote_code)
             if args.draft_vocab and is_feature_draft(draft):
                 raise DraftsmithError("--draft-vocab prunes an independent draft; a feature draft's head is chosen in "
                                       "training (draft.draft_vocab)")
@@ -154,7 +156,9 @@ def main(argv=None, prog=None) -> int:
     completion = tok.decode(gen.tokens[0], skip_special_tokens=True)
     stats = gen.stats.to_dict()
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "completion": completion, "stats": stats}))
+        # "compiled": each decoding step shape torch.compile built (model, tokens, rows, seconds); empty when eager
+        print(json.dumps({"prompt": args.prompt, "completion": completion, "stats": stats,
+                          "compiled": compile_report()}))
         return 0
     print(text + completion)
     print("-" * 60)

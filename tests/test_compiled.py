@@ -70,7 +70,7 @@ def test_frozen_weights_are_frozen_only_in_half_precision():
     assert compiled._weights_key(model.requires_grad_(True)) is None  # may be trained: never baked in
 
 
-@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
+@pytest.mark.slow  # among the longest: the default suite stays under its 12 minutes
 def test_frozen_graphs_serve_every_generation(freeze_fp32):
     """Each generation brings a new static cache; a frozen graph must read and write that one, not the cache it
     was compiled with (StaticCache's tensors are tagged like weights). Greedy, compiled == eager, three times."""
@@ -150,12 +150,17 @@ def test_demo_target_compiled_greedy_is_identical_to_its_greedy(demo_target):
     hf = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=tok.eos_token_id)
     assert spec_gen.tokens[0].tolist() == ars.tokens[0].tolist() == hf[0, ids.shape[1]:].tolist()
     assert spec_gen.stats.accepted < spec_gen.stats.drafted
+    # what ran was compiled: the demo's own shapes (its GQA and tied head), the target's and the cut draft's
+    built = {(r["model"], r["tokens"]) for r in compiled.compile_report()}
+    layers = model.config.num_hidden_layers
+    assert {(f"{type(model).__name__} ({layers} layers)", 5), (f"{type(draft).__name__} (4 layers)", 1)} <= built
 
 
 @pytest.mark.slow
 def test_a_recipe_validates_with_compiled_sampling(tmp_path):
     """`sampler.compile=true`: val/alpha comes from the compiled sampler, the pruned-head draft read as trained."""
     import csv
+    import json
 
     from conftest import run_entry
 
@@ -164,3 +169,8 @@ def test_a_recipe_validates_with_compiled_sampling(tmp_path):
     rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
     alphas = [float(r["val/alpha"]) for r in rows if r.get("val/alpha")]
     assert len(alphas) >= 2 and all(0 <= a <= 1 for a in alphas)
+    # the validations' steps were compiled: the pruned-head draft's one-token step and the target's K+1 (an eager
+    # run's report lists none)
+    report = json.loads((tmp_path / "report.json").read_text())
+    built = {(r["model"].split(" (")[0], r["tokens"]) for r in report["compiled"]}
+    assert ("PrunedHeadDraft", 1) in built and any(t > 1 for _, t in built), built

@@ -1,7 +1,7 @@
 """draftsmith installs as one package: `pip install .` (a wheel, not the checkout) puts `draftsmith` and nothing
 named `train`, `sampling` or `deploy` into site-packages, ships the recipes and prompts as package data, and the
-main job runs from any directory, one holding a user's own `train.py` too, as `python -m draftsmith.train.draft`
-under torchrun, srun and Lightning's own launcher."""
+main job runs from any directory, one holding a user's own `train.py` too: `python -m draftsmith.train.draft` under
+torchrun, and the `draftsmith train` verb under Lightning's own launcher."""
 
 import os
 import subprocess
@@ -10,7 +10,6 @@ import sysconfig
 
 import pytest
 from conftest import ROOT
-from test_launch import free_port, srun_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,24 +39,21 @@ def test_wheel_installs_and_runs_the_smoke_recipe_outside_the_checkout(tmp_path)
     where = subprocess.run([str(py), "-c", "import draftsmith.train.draft as d; print(d.__file__, d.RECIPES)"],
                            cwd=work, capture_output=True, text=True, env=env)
     assert where.returncode == 0 and str(ROOT) not in where.stdout, where.stdout + where.stderr
-    # `python -m draftsmith.train.draft` from the wheel under each launcher the docs show: torchrun, srun (its
-    # variables, two tasks) and Lightning's own (it starts rank 1 by running the module again), two ranks each
+    # the wheel under the two launchers that start rank 1 by running something of ours again: torchrun (`-m
+    # draftsmith.train.draft` on each rank) and Lightning's own, through the `draftsmith train` verb (Lightning runs
+    # the process' script again for rank 1, which must be the training entry and not the verb's command line). srun
+    # runs the same `python -m` command on each node as it is given: its semantics are tests/test_launch.py's.
     quick = ["recipe=smoke", "trainer=ddp", "trainer.max_steps=2", "trainer.val_check_interval=2",
              "eval.baseline=false", "logger=csv"]
-    entry = [str(py), "-m", "draftsmith.train.draft", *quick]
     env1 = dict(env, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    port = free_port(15000, 25000)
-    runs = {"torchrun": [([str(py), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                          "draftsmith.train.draft", *quick, f"hydra.run.dir={work / 'torchrun'}"], env1)],
-            "srun": [([*entry, "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={work / 'srun'}"],
-                      {**srun_env(i, 2, port), "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}) for i in (0, 1)],
-            "lightning": [([*entry, f"hydra.run.dir={work / 'lightning'}"], env1)]}
-    for launcher, commands in runs.items():
-        procs = [subprocess.Popen(cmd, cwd=work, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for cmd, e in commands]
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), (launcher, outs[0][-3000:], outs[-1][-3000:])
-        assert f"launcher {launcher}, rank 1" in "".join(outs) and "world size 2" in outs[0], launcher
+    runs = {"torchrun": [str(py), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                         "draftsmith.train.draft", *quick, f"hydra.run.dir={work / 'torchrun'}"],
+            "lightning": [str(bin_dir / "draftsmith"), "train", *quick, f"hydra.run.dir={work / 'lightning'}"]}
+    for launcher, cmd in runs.items():
+        res = subprocess.run(cmd, cwd=work, env=env1, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=900)
+        assert res.returncode == 0, (launcher, res.stdout[-3000:])
+        assert f"launcher {launcher}, rank 1" in res.stdout and "world size 2" in res.stdout, launcher
         assert (work / launcher / "best_draft" / "config.json").is_file(), launcher
     for verb in ("generate", "export", "deploy-check", "bench", "plan"):
         helped = subprocess.run([str(bin_dir / "draftsmith"), verb, "--help"], cwd=work, capture_output=True,

@@ -13,6 +13,7 @@ from draftsmith.drafts.build import truncated_target
 from draftsmith.drafts.evaluate import CHAT_SET, acceptance_by_set
 from draftsmith.drafts.plots import plot_report
 from draftsmith.drafts.saved import checkpoint_state, draft_from_checkpoint, save_draft
+from draftsmith.sampling.compiled import compile_report
 from draftsmith.sampling.cost import measure_costs, predicted_speedup
 from draftsmith.sampling.machine import device_of
 from draftsmith.sampling.precision import describe_run, run_info
@@ -120,6 +121,9 @@ def final_report(*, target, module, tokenizer, cfg, out_dir: Path, checkpoint_cb
         "cost": cost,
         "cost_at_fit_start": acceptance_cb.cost,
         "validation_history": acceptance_cb.history,
+        # the decoding step shapes torch.compile built in this process (sampler.compile=true: validation's and the
+        # fit-start cost's), with their seconds; empty where every step ran eagerly
+        "compiled": compile_report(),
         "eval": results,
         "train_tokens_per_s": tokens_per_s,
         "peak_gpu_memory_gib": peak,  # rank 0's, allocated tensors (the plan's accounting), not the allocator's cache
