@@ -88,7 +88,7 @@ def test_the_blocks_cache_on_a_full_disk_leaves_no_torn_file_and_is_written_afte
     assert r["cached"] and r["digest"] == digest
 
 
-@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
+@pytest.mark.slow  # among the longest: the default suite stays under its 12 minutes
 def test_a_run_whose_disk_fills_stops_at_a_checkpoint_in_one_line_and_resumes_after_space_is_freed(tmp_path,
                                                                                                     small_fs):
     """A real training run with its run directory on the small disk: filled after its first checkpoint, it stops

@@ -150,7 +150,7 @@ def test_every_rank_learns_rank_0s_answer_and_a_disagreement_stops_them_all():
     assert outs == ["agreed v0"] * 2 + ["error: srun rank 1 has x v1, rank 0 v0: give each the same"] * 2, outs
 
 
-@pytest.mark.slow  # among the longest: the default suite stays under its 15 minutes
+@pytest.mark.slow  # among the longest: the default suite stays under its 12 minutes
 def test_a_rank_that_never_comes_stops_the_others_with_one_line():
     """Rank 0 of a 2-task step alone, then rank 1 alone: each stops after its timeout saying who it waited for and
     where, instead of hanging (the test's own timeout only guards against a hang)."""
