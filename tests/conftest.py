@@ -62,19 +62,29 @@ def refusal(out, *overrides) -> str:
     imports (~8 s)."""
     from hydra import compose, initialize_config_dir
 
-    from draftsmith.train import schema
+    from draftsmith.train import rundir, schema
     from draftsmith.train.draft import RECIPES, train
 
     overrides = [*overrides, f"out_dir={out}", "logger=csv"]
+    # what train() leaves in this process is put back: the environment (seed_everything's PL_GLOBAL_SEED, read by
+    # later Lightning runs and subprocesses), the global RNGs, the run dir's claim (its open lock file)
+    env, claims = dict(os.environ), len(rundir._CLAIMS)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     try:
-        schema.preflight(overrides, RECIPES)
-        with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-            cfg = compose("draft", overrides=overrides)
-        train(cfg)
+        with torch.random.fork_rng():
+            schema.preflight(overrides, RECIPES)
+            with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+                cfg = compose("draft", overrides=overrides)
+            train(cfg)
     except ValueError as e:  # a DraftsmithError, as the entry catches it
         message = str(e)
     else:
         pytest.fail(f"not refused: {overrides}")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        while len(rundir._CLAIMS) > claims:
+            rundir._CLAIMS.pop().close()
     assert "\n" not in message.strip(), message
     assert not (Path(out) / "checkpoints").exists() and not (Path(out) / "best_draft").exists()
     return message

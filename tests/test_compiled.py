@@ -143,6 +143,7 @@ def test_demo_target_compiled_greedy_is_identical_to_its_greedy(demo_target):
     model, tok = demo_target
     draft = truncated_target(model, 4).eval()
     ids = tok("def quicksort(xs):\n", return_tensors="pt").input_ids
+    before = len(compiled.compile_report())  # the shapes compiled by earlier tests of this process are not these
     spec_gen = speculative_generate(model, draft, ids, max_new_tokens=40, k=4, temperature=0,
                                     eos_token_id=tok.eos_token_id, compile=True)
     ars = autoregressive_generate(model, ids, max_new_tokens=40, temperature=0, eos_token_id=tok.eos_token_id,
@@ -151,7 +152,7 @@ def test_demo_target_compiled_greedy_is_identical_to_its_greedy(demo_target):
     assert spec_gen.tokens[0].tolist() == ars.tokens[0].tolist() == hf[0, ids.shape[1]:].tolist()
     assert spec_gen.stats.accepted < spec_gen.stats.drafted
     # what ran was compiled: the demo's own shapes (its GQA and tied head), the target's and the cut draft's
-    built = {(r["model"], r["tokens"]) for r in compiled.compile_report()}
+    built = {(r["model"], r["tokens"]) for r in compiled.compile_report()[before:]}
     layers = model.config.num_hidden_layers
     assert {(f"{type(model).__name__} ({layers} layers)", 5), (f"{type(draft).__name__} (4 layers)", 1)} <= built
 
@@ -173,4 +174,4 @@ def test_a_recipe_validates_with_compiled_sampling(tmp_path):
     # run's report lists none)
     report = json.loads((tmp_path / "report.json").read_text())
     built = {(r["model"].split(" (")[0], r["tokens"]) for r in report["compiled"]}
-    assert ("PrunedHeadDraft", 1) in built and any(t > 1 for _, t in built), built
+    assert ("PrunedHeadDraft", 1) in built and any(m != "PrunedHeadDraft" and t > 1 for m, t in built), built

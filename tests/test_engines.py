@@ -178,7 +178,6 @@ REPEATS = ["yes no yes no yes no yes no yes no yes no", "red blue red blue red b
            "def add(a, b):\n    return a + b\n", "The capital of France is"]
 
 
-
 @pytest.fixture(scope="module")
 def feature_bundle(demo_target, tmp_path_factory):
     """A feature head (EAGLE-3) on target layers [0, 14, 29], built to depend on two things an engine may silently
@@ -232,7 +231,6 @@ def test_feature_bundle_is_judged_in_our_sampler_and_refused_by_transformers(fea
     assert report["settings"]["T0.8 top-p 0.95"]["distribution"]["cells"] > 10
     with pytest.raises(DraftsmithError, match="feature draft"):
         TransformersEngine(bundle)
-
 
 
 @pytest.mark.usefixtures("vllm")

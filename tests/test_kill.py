@@ -211,7 +211,8 @@ def test_tokenisation_killed_midway_leaves_no_cache_and_a_damaged_cache_is_rebui
     cached = blocks_cache(str(corpus), tok, 64)
     writing = tmp_path / "writing"
     proc = _start(TOKENIZE, corpus, writing)
-    assert _kill_when(proc, writing.exists), "the blocks were never written: " + proc.stderr.read()[-2000:]
+    killed = _kill_when(proc, writing.exists)
+    assert killed and writing.exists(), "the blocks were never written: " + proc.stderr.read()[-2000:]
     assert not cached.exists()
     blocks = load_blocks(str(corpus), tok, 64)
     assert cached.is_file() and len(blocks["train"]) > 100
