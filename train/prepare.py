@@ -77,8 +77,7 @@ def run_data(cfg, tok, teacher, file_prompts, target_config, out_dir: Path, laun
         token_counts = (sampled_token_counts(blocks, sampled_rows(source) or [], target_config.vocab_size)
                         if cfg.draft.get("vocab_count") == "sampled"  # the target's own tokens alone
                         else torch.bincount(blocks["train"].flatten(), minlength=target_config.vocab_size))
-    # a chat item is a whole batch already (train/data.py chat_loaders): one item a micro-batch, each rank drawing
-    # ceil(batches / ranks) of them (counted in rows instead, 7 batches over 2 ranks gave 3 steps where Lightning ran 4)
+    # a chat item is a whole batch already (train/data.py chat_loaders): one item a micro-batch
     per_step = 1 if chat else int(cfg.data.batch_size)
     steps = budget.derived_steps(cfg, len(blocks["train"]), launch.world_size, per_step)
     if steps is not None:  # a budget in epochs: the LR schedule and the progress need its steps
