@@ -97,25 +97,27 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
 
 @pytest.mark.usefixtures("vllm")
 def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(demo_bundle):
-    """`draftsmith bench serve --engine vllm`, greedy (two engine starts: plain, then speculative): tau from its
-    drafts and accepted counts, acceptance by position from its per-position counter, which must add up to the
-    same accepted tokens (1 + their sum is tau)."""
+    """`bench serve`'s reader (`serve.tau_of`) on one speculative vLLM run at K 2, greedy: tau from its drafts and
+    accepted counts, acceptance by position from its per-position counter, which must add up to the same accepted
+    tokens (1 + their sum is vLLM's own mean acceptance length). One engine start: how `measure` runs the plain and
+    speculative arms of an engine that starts per run, and the rows it makes, are tests/test_serve.py's."""
     from draftsmith.deploy.bench import serve
+    from draftsmith.engines.base import Job
     from draftsmith.engines.vllm import VllmEngine
     from draftsmith.sampling.load import load_tokenizer
 
     bundle = open_bundle(demo_bundle)
     engine = VllmEngine(bundle)
-    sets = {"math": serve.encode(load_tokenizer(str(bundle.target_dir)), serve.load_set("math", 2), raw=False)}
+    prompts = serve.encode(load_tokenizer(str(bundle.target_dir)), serve.load_set("math", 2), raw=False)
     serve.set_k(engine, 2)
-    (row,) = serve.measure(engine, "vllm", sets, [0.0], 1.0, 16, k=2, seed=0)
-    print(row)
-    assert row["new_tokens_plain"] == row["new_tokens_speculative"] > 0 and row["note"] is None
-    pos = row["acceptance_by_position"]
-    assert len(pos) == 2 and 1 <= row["tokens_per_call"] <= 3
-    # vLLM's own figure, 1 + accepted / drafts, is 1 + the unconditional per-position sum; the row's tau (tokens less
-    # the prefill's one, per verification pass) can differ where the last pass was cut short (deploy/bench/serve.py)
-    assert row["native"]["vllm_mean_acceptance_length"] == pytest.approx(1 + sum(pos))
+    (out,) = engine.run([Job(prompts, 1, 16, 0.0)], speculative=True)
+    tau, pos, native = serve.tau_of("vllm", out, 2)
+    print(tau, pos, native)
+    assert out.new_tokens > 0 and 1 <= tau <= 3
+    # unconditional: a draft's second token is accepted only after its first
+    assert len(pos) == 2 and 0 <= pos[1] <= pos[0] <= 1
+    # vLLM's own figure, 1 + accepted / drafts, is 1 + the unconditional per-position sum
+    assert native["vllm_mean_acceptance_length"] == pytest.approx(1 + sum(pos))
     assert serve.caveat("vllm", engine.build(), 0.8) is not None or engine.build() != "cpu"
 
 
