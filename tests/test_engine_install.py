@@ -2,6 +2,7 @@
 venv, llama.cpp built once). Nothing is downloaded here: an installed venv stands in for vLLM's, and llama.cpp's
 build is refused before it starts; CI runs both installs for real before its tests (.ci/run)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,32 @@ def test_a_llamacpp_build_without_eagle3_is_named_in_one_line(tmp_path, monkeypa
     (draft / "config.json").write_text(f'{{"architectures": ["LlamaForCausalLMEagle3"], "draftsmith_kind": "{KIND}"}}')
     with pytest.raises(DraftsmithError, match="cannot serve a feature .EAGLE-3. draft"):
         LlamaCppEngine(Bundle(tmp_path, {"recommended_k": 2}, tmp_path / "target", draft))
+
+
+def test_a_feature_head_with_per_state_norms_is_refused_by_llamacpp_before_any_conversion(tmp_path, monkeypatch):
+    """A head trained with draft.feature_norm=each holds fc_norm.N.weight, which llama.cpp's EAGLE3 converter cannot
+    map (it failed with "Can not map tensor 'fc_norm.0.weight'" after the target's GGUF and bench serve's plain arm):
+    the engine refuses it when made, in one line naming the switch, and converts nothing; the same head without the
+    norm is taken."""
+    from draftsmith.deploy.bundle import Bundle
+    from draftsmith.engines import llamacpp
+    from draftsmith.engines.llamacpp import LlamaCppEngine
+    from draftsmith.sampling.errors import DraftsmithError
+    from draftsmith.sampling.feature import KIND
+
+    monkeypatch.setenv("DRAFTSMITH_LLAMACPP", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "missing", lambda: None)
+    monkeypatch.setattr(llamacpp, "eagle3_missing", lambda where=None: None)
+    monkeypatch.setattr(llamacpp.subprocess, "run", lambda *a, **kw: pytest.fail(f"ran {a}"))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "draftsmith_kind": KIND, "fc_norm": True}
+    (draft / "config.json").write_text(json.dumps(config))
+    bundle = Bundle(tmp_path, {"recommended_k": 2}, tmp_path / "target", draft)
+    with pytest.raises(DraftsmithError) as refused:
+        LlamaCppEngine(bundle)
+    said = str(refused.value)
+    assert "\n" not in said and "fc_norm" in said and "draft.feature_norm=none" in said, said
+    assert not (tmp_path / "gguf").exists()  # nothing converted
+    (draft / "config.json").write_text(json.dumps({**config, "fc_norm": False}))
+    assert LlamaCppEngine(bundle).eagle3
