@@ -190,7 +190,7 @@ class Session:
         self.procs, self.logs, self.dirs, self.jobs = [], [], [], []  # jobs: each worker's count so far
         self.version = None
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         self._tmp = tempfile.TemporaryDirectory(prefix="draftsmith-vllm-")
         try:
             for w in range(self.workers):
