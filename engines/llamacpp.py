@@ -126,15 +126,15 @@ def eagle3_missing(where: Path | None = None) -> str | None:
             f"rebuild it with `{INSTALL}` after removing that folder, or judge the bundle with --engine vllm")
 
 
-def refuse_unmapped_norms(model_dir: Path) -> None:
-    """A feature head trained with `draft.feature_norm=each` holds `fc_norm.N.weight`, which llama.cpp's EAGLE3
-    converter (llama-cpp-python 0.3.36) cannot map ("Can not map tensor 'fc_norm.0.weight'"), after the target's GGUF
-    is made and, in `bench serve`, the plain arm has run. Said first, in one line, with the way out."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("fc_norm"):
-        raise DraftsmithError(f"llama.cpp cannot serve {model_dir}: its EAGLE3 converter has no per-state norm "
-                              "(fc_norm, from draft.feature_norm=each); serve this head in vLLM or draftsmith, or "
-                              "train it with draft.feature_norm=none for llama.cpp")
+def unmapped_norms(model_dir: Path) -> str | None:
+    """Why llama.cpp cannot serve this feature head, or None: one trained with `draft.feature_norm=each` holds
+    `fc_norm.N.weight`, which its EAGLE3 converter (llama-cpp-python 0.3.36) cannot map ("Can not map tensor
+    'fc_norm.0.weight'"), found only after the target's GGUF is made and, in `bench serve`, the plain arm has run."""
+    if json.loads((model_dir / "config.json").read_text()).get("fc_norm"):
+        return (f"llama.cpp cannot serve {model_dir}: its EAGLE3 converter has no per-state norm (fc_norm, from "
+                "draft.feature_norm=each); serve this head in vLLM or draftsmith, or train it with "
+                "draft.feature_norm=none for llama.cpp")
+    return None
 
 
 class LlamaCppEngine(Engine):
@@ -157,10 +157,9 @@ class LlamaCppEngine(Engine):
         from draftsmith.sampling.feature import is_feature_dir
 
         self.eagle3 = is_feature_dir(bundle.draft_dir)
-        if self.eagle3 and (why := eagle3_missing()):
+        # a feature draft this build cannot convert is refused before any GGUF is made or server started
+        if self.eagle3 and (why := eagle3_missing() or unmapped_norms(bundle.draft_dir)):
             raise DraftsmithError(why)
-        if self.eagle3:
-            refuse_unmapped_norms(bundle.draft_dir)  # before any GGUF is made or server started
 
     def version(self) -> str:
         return (home() / "VERSION").read_text().strip() if (home() / "VERSION").is_file() else "?"
