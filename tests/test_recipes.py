@@ -108,6 +108,18 @@ def test_gpu_recipes_need_a_target_and_train_their_draft_kind(composed):
     assert composed["shallow_wide", "cpu"].target.name == "smollm2-135m"
 
 
+def test_every_feature_recipe_norms_each_target_state_before_fc(composed):
+    """draft.feature_norm=each won its equal-time A/B on two seeds (docs/defaults.md): every recipe that trains a
+    feature head carries it, the CPU demo and the GPU recipes alike; an independent draft has no such norm."""
+    kinds = {}
+    for recipe, (hardware, _) in TABLE.items():
+        draft = composed[recipe, "gpu" if hardware == "gpu" else "cpu"].draft
+        kinds[recipe] = draft.get("kind", "independent")
+        assert draft.get("feature_norm", "none") == ("each" if kinds[recipe] == "feature_head" else "none"), recipe
+    assert sorted(r for r, k in kinds.items() if k == "feature_head") == ["feature_head", "gpu_70b_feature",
+                                                                          "gpu_8b_feature"]
+
+
 @pytest.mark.parametrize("chat, items, ranks, batch, accumulate, epochs", [
     (False, 1000, 1, 8, 1, 3), (False, 1000, 8, 8, 1, 2), (False, 1003, 8, 4, 2, 3), (False, 7, 8, 1, 1, 1),
     (True, 7, 2, 4, 1, 2), (True, 10, 3, 4, 2, 3)])
