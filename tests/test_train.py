@@ -348,6 +348,7 @@ REFUSED = [
     (["recipe=smoke", "draft.layers=three"], "draft.layers: Value 'three' of type 'str' could not be converted"),
     (["recipe=smoke", "+optim.lrr=1"], "unknown setting optim.lrr: optim takes lr, betas"),  # the schema
     (["recipe=smoke", "optim.lr=fast"], "Value 'fast' of type 'str' could not be converted to Float"),
+    (["recipe=smoke", "trainer.max_time=00:00:9:40"], "trainer.max_time must read DD:HH:MM:SS"),
     (["recipe=smoke", "target.ranks=some"], "target.ranks must be all (a replica on every rank), first"),
     (["recipe=smoke", "target.ranks=first"], "target.ranks=first, but training calls the target (the corpus kept no"),
 ]

@@ -10,6 +10,7 @@ back on at that size.
 from __future__ import annotations
 
 import math
+import re
 
 from omegaconf import OmegaConf
 
@@ -45,6 +46,11 @@ def check_recipe(cfg, recipe: str | None = None) -> None:
                               "(e.g. meta-llama/Llama-3.1-8B-Instruct)")
     if sized.get("refused") and not cfg.get("plan"):  # its plan still prints: it says why
         raise DraftsmithError(f"{name} cannot run yet: {sized.refused} (draftsmith plan {name} shows its memory)")
+    box = cfg.trainer.get("max_time")
+    # Lightning reads the box only when the trainer is made: after the corpus is sampled, minutes to hours later
+    if isinstance(box, str) and not re.fullmatch(r"\d+:\d\d:\d\d:\d\d", box.strip()):
+        raise DraftsmithError(f"trainer.max_time must read DD:HH:MM:SS with two digits each after the days (16 "
+                              f"minutes: 00:00:16:00), got {box!r}")
 
 
 def samples(cfg) -> int | None:
