@@ -22,15 +22,53 @@ def prompt_texts(cfg, tokenizer, openings: torch.Tensor | None = None, use_file:
     target's chat template when `data.chat_template` (an Instruct target is deployed that way)."""
     if cfg.data.prompts and use_file:
         try:
-            texts = [r["prompt"] for r in load_prompts(str(cfg.data.prompts))]
+            rows = load_prompts(str(cfg.data.prompts))
         except (ValueError, OSError) as e:
             raise DraftsmithError(f"data.prompts: {e}") from None
+        texts = [r["prompt"] for r in rows]
+        share = float(cfg.data.get("chat_prompts", 0) or 0)
+        if share:  # raw prompts (data.chat_template is refused beside it: train/data.py check_data)
+            texts = with_chat_turns(texts, [r["domain"] for r in rows], share, tokenizer, str(cfg.data.prompts))
     else:
         texts = [tokenizer.decode(row, skip_special_tokens=True) for row in openings]
     if cfg.data.chat_template:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
     return texts
+
+
+def with_chat_turns(texts: list[str], domains: list[str], share: float, tokenizer, where: str = "data.prompts",
+                    max_tokens: int = 96) -> list[str]:
+    """`data.chat_prompts`: that share of the English prompts (every 1/share-th, so any prefix a time box reaches
+    holds the share) replaced by first user turns of ShareGPT's training split, each through the target's chat
+    template as the chat set renders its prompts (`user_turn`), in the file's order; distinct turns of 4 to
+    `max_tokens` tokens. The held-out split (the chat set's conversations and data=chat's validation) is never read.
+    Code prompts stay as they are: giving them up cost the draft on code at equal time (docs/results.md)."""
+    from draftsmith.data.conversations import read_conversations
+    from draftsmith.sampling.prompts import user_turn
+
+    english = [i for i, d in enumerate(domains) if d == "english"]
+    slots = [i for n, i in enumerate(english, 1) if int(n * share) > int((n - 1) * share)]
+    if not slots:
+        raise DraftsmithError(f"data.chat_prompts={share} replaces English prompts (domain 'english'), and {where} "
+                              "has none: add a `domain` field, or set data.chat_prompts=0")
+    turns, seen = [], set()
+    for conv in read_conversations("sharegpt", split="train", quiet=True):
+        first = next((m for m in conv.messages if m["role"] != "system"), None)
+        text = first["content"].strip() if first is not None and first["role"] == "user" else ""
+        if text in seen or not 4 <= len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= max_tokens:
+            continue
+        seen.add(text)
+        turns.append(user_turn(tokenizer, text))
+        if len(turns) == len(slots):
+            break
+    if len(turns) < len(slots):
+        raise DraftsmithError(f"data.chat_prompts={share} asks for {len(slots)} ShareGPT turns and its training split "
+                              f"holds {len(turns)} of 4-{max_tokens} tokens: lower data.chat_prompts")
+    out = list(texts)
+    for i, turn in zip(slots, turns):
+        out[i] = turn
+    return out
 
 
 def prompt_tensor(texts: list[str], tokenizer, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

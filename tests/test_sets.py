@@ -91,3 +91,41 @@ def test_the_chat_set_bench_serve_measures_is_held_out_by_conversation():
     for c, nxt in zip(convs, nexts):
         assert opens[fold(c[-1]["content"])] == {"benchmark"}, c[-1]["content"][:60]
         assert pairs[fold(c[-1]["content"]), fold(nxt["content"])] == {"benchmark"}, nxt["content"][:60]
+
+
+def test_chat_prompts_replace_a_share_of_the_english_prompts_with_training_split_turns():
+    """data.chat_prompts=0.5: every second English prompt of the prompts file becomes a ShareGPT first user turn
+    through the target's template, code prompts stay where they were, and no turn comes from the held-out split (the
+    chat set's conversations and data=chat's validation); through `prompt_texts` as a run reads it. Refused where it
+    cannot mean that: a share outside (0, 1], prompts already through the template."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from draftsmith.data.conversations import read_conversations
+    from draftsmith.data.prompts import prompt_texts, with_chat_turns
+    from draftsmith.sampling.load import load_tokenizer
+    from draftsmith.sampling.prompts import load_prompts, user_turn
+    from draftsmith.train.data import check_data
+    from draftsmith.train.draft import RECIPES
+
+    tok = load_tokenizer("smollm2-135m")
+    rows = load_prompts("broad")
+    texts, domains = [r["prompt"] for r in rows], [r["domain"] for r in rows]
+    out = with_chat_turns(texts, domains, 0.5, tok)
+    english = [i for i, d in enumerate(domains) if d == "english"]
+    changed = [i for i, (a, b) in enumerate(zip(texts, out)) if a != b]
+    assert len(out) == len(texts) and changed == english[1::2]
+    opening = user_turn(tok, "\x00").split("\x00")[0]  # the template up to the user's text
+    assert all(out[i].startswith(opening) and out[i].endswith(user_turn(tok, "x").split("x")[-1]) for i in changed)
+    assert len({out[i] for i in changed}) == len(changed)
+    heldout = {user_turn(tok, m["content"].strip()) for c in read_conversations("sharegpt", split="heldout", quiet=True)
+               for m in c.messages[:2] if m["role"] == "user"}
+    assert not heldout & {out[i] for i in changed}
+    cfg = OmegaConf.create({"data": {"prompts": "broad", "chat_prompts": 0.5, "chat_template": False}})
+    assert prompt_texts(cfg, tok) == out
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        for extra, said in ((["data.chat_prompts=1.5"], "in (0, 1]"),
+                            (["data.chat_prompts=0.5", "data.chat_template=true"], "data.chat_template=false")):
+            cfg = compose("draft", ["recipe=shallow_wide", *extra])
+            with pytest.raises(DraftsmithError, match=said.replace("(", r"\(").replace("]", r"\]")):
+                check_data(cfg, tok)

@@ -174,6 +174,17 @@ def check_data(cfg, tokenizer) -> None:
     if d.chat_template and not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError(f"data.chat_template=true but the target ({cfg.target.name}) has no chat template: "
                               "set data.chat_template=false")
+    share = float(d.get("chat_prompts", 0) or 0)
+    if share:
+        if not 0 < share <= 1:
+            raise DraftsmithError(f"data.chat_prompts is the share of English prompts replaced by chat turns, in "
+                                  f"(0, 1]; got {share}")
+        if not d.prompts or d.chat_template or d.get("format") == "chat":
+            raise DraftsmithError("data.chat_prompts replaces raw English prompts of data.prompts with chat turns: "
+                                  "give data.prompts (e.g. broad), with data.chat_template=false and data.format=text")
+        if not getattr(tokenizer, "chat_template", None):
+            raise DraftsmithError(f"data.chat_prompts renders turns through the target's chat template, and "
+                                  f"{cfg.target.name} has none: set data.chat_prompts=0")
     topk = cfg.loss.get("teacher_topk", 0)
     if topk and not cfg.loss.get("distill", True):
         raise DraftsmithError(f"loss.teacher_topk={topk} keeps the target's logits for distillation; with loss=ce set "

@@ -105,6 +105,7 @@ class Data:
     features: str = "stored"  # stored | online
     prompts: str | None = None
     chat_template: bool = False
+    chat_prompts: float = 0.0  # data/prompts.py with_chat_turns
     generated: Generated = field(default_factory=Generated)
     rows: str = "stream"  # stream | sample | packed (data/corpus.py `load_blocks`)
     # data=chat (recipes/data/chat.yaml says what each key does; data/chatcorpus.py)
