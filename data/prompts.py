@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.sampling.errors import DraftsmithError
-from draftsmith.sampling.prompts import encode_prompts, load_prompts
+from draftsmith.sampling.prompts import encode_prompts, load_prompts, user_turn
 
 
 def validation_prompts(blocks: dict, n: int, prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +44,7 @@ def with_chat_turns(texts: list[str], domains: list[str], share: float, tokenize
     template as the chat set renders its prompts (`user_turn`), in the file's order; distinct turns of 4 to
     `max_tokens` tokens. The held-out split (the chat set's conversations and data=chat's validation) is never read.
     Code prompts stay as they are: giving them up cost the draft on code at equal time (docs/results.md)."""
-    from draftsmith.data.conversations import read_conversations
-    from draftsmith.sampling.prompts import user_turn
+    from draftsmith.data.conversations import read_conversations  # ShareGPT: read only where the switch is on
 
     english = [i for i, d in enumerate(domains) if d == "english"]
     slots = [i for n, i in enumerate(english, 1) if int(n * share) > int((n - 1) * share)]
@@ -55,7 +54,9 @@ def with_chat_turns(texts: list[str], domains: list[str], share: float, tokenize
     turns, seen = [], set()
     for conv in read_conversations("sharegpt", split="train", quiet=True):
         first = next((m for m in conv.messages if m["role"] != "system"), None)
-        text = first["content"].strip() if first is not None and first["role"] == "user" else ""
+        if first is None or first["role"] != "user":
+            continue
+        text = first["content"].strip()
         if text in seen or not 4 <= len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= max_tokens:
             continue
         seen.add(text)

@@ -26,7 +26,8 @@ def trainer_hardware(trainer) -> str:
 
 
 def check_recipe(cfg, recipe: str | None = None) -> None:
-    """Refuse, in one line, a recipe composed with a trainer for other hardware, or a GPU recipe with no target."""
+    """Refuse, in one line, a recipe composed with a trainer for other hardware, a GPU recipe with no target, or a
+    time box (trainer.max_time) Lightning cannot read."""
     sized = cfg.get("sized_for") or {}
     hardware = str(sized.get("hardware", "any"))
     if hardware not in HARDWARE:
