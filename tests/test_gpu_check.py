@@ -52,6 +52,7 @@ def test_the_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
     assert "no CUDA device" in res.stderr and "GPU_CHECK_DEVICE=cpu" in res.stderr
 
 
+@pytest.mark.slow  # among the longest (~20 s): the default suite stays under its 12 minutes
 def test_a_training_step_runs_under_timeout_and_out_keeps_only_logs_and_the_summary(tmp_path):
     """The training steps run `python -m draftsmith.train.draft` (a shell function under `timeout` failed with rc 127);
     the run itself goes to the scratch folder, OUT keeps the part's log and summary.json with the step's figure rows;
@@ -68,6 +69,7 @@ def test_a_training_step_runs_under_timeout_and_out_keeps_only_logs_and_the_summ
     assert again.returncode == 0 and "[skip] plan_8b" in again.stdout and "[ok]" not in again.stdout
 
 
+@pytest.mark.slow  # among the longest (~20 s): the default suite stays under its 12 minutes
 def test_a_step_stopped_by_the_deadline_leaves_its_log_and_the_next_has_no_time(tmp_path):
     """GPU_CHECK_DEADLINE_S: a step that outlasts what is left of it (here one that ignores TERM, so timeout's KILL
     stops it) leaves its log's tail in OUT and a "timeout" entry; the step after it is not started and is recorded

@@ -142,6 +142,7 @@ def _agree(rank, tasks, port, value, timeout=60, same=""):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
+@pytest.mark.slow  # among the longest (11-14 s): the default suite stays under its 12 minutes
 def test_every_rank_learns_rank_0s_answer_and_a_disagreement_stops_them_all():
     agreeing, refusing = free_port(15000, 20000), free_port(20000, 25000)
     procs = [_agree(1, 2, agreeing, "v1"), _agree(0, 2, agreeing, "v0"),  # rank 1 first: it waits for rank 0
@@ -169,6 +170,7 @@ def test_a_single_process_agrees_with_itself_without_a_store():
         agree(Launch("lightning", 0, 0, 0, 2, 2, 2, 0), "x", "mine", 0.01)
 
 
+@pytest.mark.slow  # among the longest (11-14 s): the default suite stays under its 12 minutes
 def test_a_training_rank_that_never_comes_stops_rank_0_before_any_work(tmp_path):
     """`python train/draft.py` as rank 0 of a 2-task srun step whose rank 1 never starts: one error line within
     launch.join_minutes, and no run dir made (the rendezvous names it)."""

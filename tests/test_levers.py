@@ -323,8 +323,10 @@ def test_a_warm_draft_writes_pairs_the_target_labels(tiny, tmp_path):
 
 
 def test_the_switches_train_end_to_end_through_the_entry(tmp_path, monkeypatch):
-    """All switches at once on a tiny target's own samples: the run trains, validates the average, reports the
-    head's mass per set and exports the average as its best draft."""
+    """All switches at once on a tiny target's own samples (data=generated, sampled here, not read from a cache):
+    the training blocks take the logits the target kept as it sampled them (no teacher pass over those), the run
+    trains, validates the average, reports the head's mass per set and exports the average as its best draft.
+    (It also holds what a plain data=generated smoke run asserted, the corpus sampled once for both.)"""
     import json
 
     from conftest import run_entry
@@ -335,6 +337,9 @@ def test_the_switches_train_end_to_end_through_the_entry(tmp_path, monkeypatch):
                     "optim.ema=0.9", "loss.truncate=true", "draft.vocab_count=sampled", "draft.init_scale=0.5",
                     "eval.baseline=false", "loss.compile=false", f"hydra.run.dir={tmp_path / 'run'}")
     assert res.returncode == 0, res.stderr[-3000:]
+    # recipe=smoke keeps the teacher's top-16: the target's sampling kept them, so no block waits for its pass
+    filled = re.search(r"(\d+) of (\d+) training blocks take the target's logits kept", res.stdout)
+    assert filled and int(filled[1]) > 0.8 * int(filled[2]), res.stdout[-2000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert set(report["head_mass"]) == {"code", "english"} and all(0 < m <= 1 for m in report["head_mass"].values())
     assert "the target's mass on the draft head's" in res.stdout

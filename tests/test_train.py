@@ -539,19 +539,6 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_smoke_run_on_a_target_generated_corpus(tmp_path, monkeypatch):
-    """data=generated: the target samples continuations of corpus openings, the draft trains on them."""
-    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))  # sampled here, not continued from a cache
-    out = tmp_path / "run"
-    res = run_entry("recipe=smoke", "data=generated", "data.generated.n_prompts=40", "data.generated.max_new_tokens=48",
-                    f"hydra.run.dir={out}", "logger=csv")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert (out / "report.json").is_file()
-    # recipe=smoke keeps the teacher's top-16: the target's sampling kept them, so no block waits for its pass
-    filled = re.search(r"(\d+) of (\d+) training blocks take the target's logits kept", res.stdout)
-    assert filled and int(filled[1]) > 0.8 * int(filled[2])
-
-
 @pytest.mark.slow
 def test_an_optuna_sweep_of_two_trials_maximises_what_main_returns(tmp_path):
     """`hparams_search=alpha_optuna -m`: two tiny trials, each a whole run; the study's best value is the best
