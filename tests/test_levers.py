@@ -326,7 +326,7 @@ def test_the_switches_train_end_to_end_through_the_entry(tmp_path, monkeypatch):
     """All switches at once on a tiny target's own samples (data=generated, sampled here, not read from a cache):
     the training blocks take the logits the target kept as it sampled them (no teacher pass over those), the run
     trains, validates the average, reports the head's mass per set and exports the average as its best draft.
-    (It also holds what a plain data=generated smoke run asserted, the corpus sampled once for both.)"""
+    (It holds the assertion of the data=generated smoke run folded into it: one corpus sampled, not two.)"""
     import json
 
     from conftest import run_entry
