@@ -17,10 +17,11 @@ from draftsmith.deploy.bench.peers import corpus_rows, head_tokens_of, write_voc
 from draftsmith.sampling.errors import DraftsmithError
 
 # our trainer's settings for a 48-sample corpus of a 4-layer target: a 128-token head, feature layers SGLang's
-# numbering can name (not the embedding's output), blocks and checks of smoke size
-TINY = ["draft.draft_vocab=128", "draft.feature_layers=[1,2,3]", "data.block_size=64", "data.val_blocks=4",
-        "data.val_fraction=0.1", "sampler.n_prompts=2", "sampler.on_target_prompts=2", "sampler.on_target_tokens=16",
-        "sampler.max_new_tokens=16", "eval.n_prompts=2", "eval.max_new_tokens=16"]
+# numbering can name (not the embedding's output), blocks and checks of smoke size; no chat turns among the prompts
+# (the tiny target has no chat template, and recipe=feature_head's data.chat_prompts would be refused)
+TINY = ["data.chat_prompts=0", "draft.draft_vocab=128", "draft.feature_layers=[1,2,3]", "data.block_size=64",
+        "data.val_blocks=4", "data.val_fraction=0.1", "sampler.n_prompts=2", "sampler.on_target_prompts=2",
+        "sampler.on_target_tokens=16", "sampler.max_new_tokens=16", "eval.n_prompts=2", "eval.max_new_tokens=16"]
 
 
 def test_corpus_rows_train_the_sampled_tokens_and_the_vocab_is_one_map(tmp_path):
