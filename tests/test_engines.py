@@ -80,13 +80,34 @@ def test_transformers_loads_the_pruned_bundle_plain_and_is_judged(demo_bundle):
 
 
 @pytest.mark.usefixtures("vllm")
-def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
+def test_vllm_greedy_is_lossless_its_sampling_is_judged_and_bench_serve_reads_its_counters(demo_bundle):
+    """deploy-check's judge on vLLM at K 2 (greedy identical to plain decoding, the T 0.8 draws judged), and
+    `bench serve`'s reader (`serve.tau_of`) on the judged greedy speculative run itself, so one pair of engine
+    starts serves both (test audit D4): tau from vLLM's drafts and accepted counts, acceptance by position from its
+    per-position counter, which must add up to the same accepted tokens (1 + their sum is vLLM's own mean
+    acceptance length). How `measure` runs the plain and speculative arms of an engine that starts per run, and the
+    rows it makes, are tests/test_serve.py's."""
+    from draftsmith.deploy.bench import serve
     from draftsmith.engines.vllm import VllmEngine
+    from draftsmith.sampling.prompts import load_prompts
 
     bundle = open_bundle(demo_bundle)
     engine = VllmEngine(bundle)
-    report = check(bundle, engine, [Setting(0.0), Setting(0.8, 0.95)], draws=1000, n_prompts=2, samples=2,
-                   max_new_tokens=16)
+    serve.set_k(engine, 2)
+    runs, run = [], engine.run
+
+    def recorded(jobs, speculative):  # each of the check's engine runs, kept for the reader
+        outs = run(jobs, speculative)
+        runs.append((jobs, speculative, outs))
+        return outs
+
+    engine.run = recorded
+    # a count the two-layer draft continues as the target does (greedy alpha 0.25 in our sampler, where it accepts
+    # nothing of the first code and English prompts, also judged): without accepted tokens the reader's sums are 0
+    texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"] + [r["prompt"] for ps in ("code", "english")
+                                                         for r in load_prompts(ps, 1)]
+    report = check(bundle, engine, [Setting(0.0), Setting(0.8, 0.95)], draws=1000, samples=2, max_new_tokens=16,
+                   texts=texts)
     print(report["version"], {k: (r["verdict"], r["detail"]) for k, r in report["settings"].items()})
     greedy, sampled = report["settings"]["greedy"], report["settings"]["T0.8 top-p 0.95"]
     assert greedy["verdict"] == "pass", greedy["detail"]
@@ -94,28 +115,13 @@ def test_vllm_greedy_is_lossless_and_its_sampling_is_judged(demo_bundle):
     assert sampled["verdict"] == KNOWN_VLLM_SAMPLING.get((engine.build(), report["version"]), "pass"), \
         sampled["detail"]
 
-
-@pytest.mark.usefixtures("vllm")
-def test_bench_serve_reads_tau_and_acceptance_by_position_from_vllms_counters(demo_bundle):
-    """`bench serve`'s reader (`serve.tau_of`) on one speculative vLLM run at K 2, greedy: tau from its drafts and
-    accepted counts, acceptance by position from its per-position counter, which must add up to the same accepted
-    tokens (1 + their sum is vLLM's own mean acceptance length). One engine start: how `measure` runs the plain and
-    speculative arms of an engine that starts per run, and the rows it makes, are tests/test_serve.py's."""
-    from draftsmith.deploy.bench import serve
-    from draftsmith.engines.base import Job
-    from draftsmith.engines.vllm import VllmEngine
-    from draftsmith.sampling.load import load_tokenizer
-
-    bundle = open_bundle(demo_bundle)
-    engine = VllmEngine(bundle)
-    prompts = serve.encode(load_tokenizer(str(bundle.target_dir)), serve.load_set("math", 2), raw=False)
-    serve.set_k(engine, 2)
-    (out,) = engine.run([Job(prompts, 1, 16, 0.0)], speculative=True)
+    (jobs, _, outs), = [r for r in runs if r[1]]  # the speculative run; its job 0 is the warm-up
+    out = outs[next(i for i, j in enumerate(jobs) if i and j.temperature == 0)]
     tau, pos, native = serve.tau_of("vllm", out, 2)
     print(tau, pos, native)
     assert out.new_tokens > 0 and 1 <= tau <= 3
     # unconditional: a draft's second token is accepted only after its first
-    assert len(pos) == 2 and 0 <= pos[1] <= pos[0] <= 1
+    assert len(pos) == 2 and 0 <= pos[1] <= pos[0] <= 1 and pos[0] > 0
     # vLLM's own figure, 1 + accepted / drafts, is 1 + the unconditional per-position sum
     assert native["vllm_mean_acceptance_length"] == pytest.approx(1 + sum(pos))
     assert serve.caveat("vllm", engine.build(), 0.8) is not None or engine.build() != "cpu"
