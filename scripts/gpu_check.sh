@@ -113,7 +113,7 @@ else
     DEMO=tiny-random PROMPTS=1 NEW=8 EXACT="speculative_generate_passes_chi_square and 3-setting0-None"
     # 8 stdlib files: 371 blocks of 64 tokens, 46 steps an epoch
     BIGTRAIN=(data.max_documents=8 data.val_blocks=4 data.block_size=64 data.batch_size=8 draft.draft_vocab=128
-              draft.layers=1)
+              draft.layers=1 data.chat_prompts=0)  # tiny-random has no chat template for shallow_wide's chat turns
     SLOWER=2  # a small CPU takes up to twice a step's GPU limit here (2 shared cores, measured: smoke over 150 s)
 fi
 # a command, not a shell function: `timeout` runs it; no progress bar (the logs keep one line an event)
