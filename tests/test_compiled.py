@@ -74,8 +74,8 @@ def test_frozen_weights_are_frozen_only_in_half_precision():
 def test_frozen_graphs_serve_every_generation(freeze_fp32):
     """Each generation brings a new static cache; a frozen graph must read and write that one, not the cache it
     was compiled with (StaticCache's tensors are tagged like weights). Greedy, compiled == eager, three times. K 1:
-    each verify width is a graph compiled (and autotuned) cold in CI, and K 1's is 2 tokens, the width a draft's
-    catch-up step compiles too; K 3 added a 4-token one."""
+    its 2-token verify is the width the draft's catch-up step compiles anyway (why a small K: docs/design.md, "Tests
+    and CI time")."""
     from draftsmith.drafts.build import truncated_target
 
     target = tiny_llama(vocab=64, layers=3, hidden=32, seed=5, logit_scale=4.0)
@@ -93,8 +93,8 @@ def test_frozen_graphs_serve_every_generation(freeze_fp32):
     assert target.__dict__["_draftsmith_step"].key is not None and draft.__dict__["_draftsmith_step"].key is not None
 
 
-# the frozen case compiles and autotunes its graph twice (the change in place throws the first away): the default
-# suite's longest test (43 s on a 2-core Xeon), so slow; the trained case stays in the default suite
+# the frozen case compiles and autotunes its graph twice (the change in place throws the first away): over the
+# default suite's ~20 s line (docs/results.md), so slow; the trained case stays in the default suite
 @pytest.mark.parametrize("trained", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["trained", "frozen"])
 def test_compiled_steps_read_the_weights_as_they_are_now(trained, freeze_fp32):
     """A draft validated between optimiser steps is updated in place: its compiled step must not have the old
@@ -141,10 +141,8 @@ def test_compiled_autoregressive_generate_passes_chi_square(pair):
 @pytest.mark.demo
 def test_demo_target_compiled_greedy_is_identical_to_its_greedy(demo_target):
     """Temperature 0 on SmolLM2-135M, compiled steps, a 4-layer cut draft (rejections abound): SpS == the
-    target's own greedy decoding (transformers, eager), token for token. K 2 and 24 tokens (were K 4 and 40): each
-    verify width is a 30-layer graph compiled cold in CI (~30 s each), and the last loops' shorter drafts (K cut to
-    the budget) compiled 4, 3 and 2 tokens besides K 4's 5; K 2 compiles 3 and 2 (and plain decoding's 1), and the
-    loop's K > 1 paths at more shapes are tests/test_compiled.py's tiny pairs' (frozen graphs: K 3)."""
+    target's own greedy decoding (transformers, eager), token for token. K 2, the smallest with a verify over more
+    than one draft token: each width is a 30-layer graph compiled cold (docs/design.md, "Tests and CI time")."""
     from draftsmith.drafts.build import truncated_target
 
     model, tok = demo_target
@@ -173,8 +171,7 @@ def test_a_recipe_validates_with_compiled_sampling(tmp_path):
 
     from conftest import run_entry
 
-    # K 1: each verify width is a graph compiled cold in CI, and at the smoke's K 4 over 16 tokens the validations'
-    # last loops (K cut to the budget) compiled widths 4, 3 and 2 besides 5 (113 s cold on a 2-core Xeon)
+    # K 1: the subject is the wiring, and each verify width is a graph compiled cold (docs/design.md)
     res = run_entry("recipe=smoke", "sampler.compile=true", "sampler.k=1", f"hydra.run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
